@@ -1,0 +1,29 @@
+# Each target creates the virtual environment when it is missing, so a fresh clone needs only
+# `make check` (the main job) or `make test` (the test suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 takes the CPU build where no CUDA build is wanted; triton and transformers are
+# pinned to the versions of the GPU machine so both test the same thing.
+PINS := torch==2.13.0 triton==3.6.0
+
+.PHONY: check test bench demo clean
+
+$(BIN)/tigon: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(PINS)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+check: $(BIN)/tigon
+	$(BIN)/tigon check
+
+test: $(BIN)/tigon
+	$(BIN)/python -m pytest -q
+
+bench: $(BIN)/tigon
+	$(BIN)/tigon bench
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,18 @@
+"""tigon: Triton kernels for faster, lighter LLM training.
+
+Without a CUDA device, Triton can only execute kernels through its interpreter, which must be
+switched on before any kernel is defined: importing tigon does that (``TRITON_INTERPRET=1``)
+unless the variable is already set, so every op also runs, slowly, on CPU tensors.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tigon import functional, nn  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["functional", "nn", "__version__"]

@@ -1,0 +1,64 @@
+"""Argument checks run once at the API boundary (functional and modules); kernels trust their inputs.
+
+Every error names the argument, what it got and what was expected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.ops._launch import interpreting
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(name: str, value, *, dtypes=FLOAT_DTYPES, min_dim: int = 1, dim: int | None = None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {value.dtype}; expected one of {_dtype_names(dtypes)}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(value.shape)}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
+    if value.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"{name} is on {value.device}; tigon's kernels run on CUDA tensors "
+            "(or on CPU tensors through Triton's interpreter, TRITON_INTERPRET=1)"
+        )
+
+
+def check_same_device(**tensors) -> None:
+    present = {name: t for name, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in present.items())
+        raise ValueError(f"tensors must be on one device, got {where}")
+
+
+def check_same_dtype(**tensors) -> None:
+    present = {name: t for name, t in tensors.items() if t is not None}
+    dtypes = {t.dtype for t in present.values()}
+    if len(dtypes) > 1:
+        what = ", ".join(f"{name} {t.dtype}" for name, t in present.items())
+        raise TypeError(f"tensors must share one dtype, got {what}")
+
+
+def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)} ({meaning}), got {tuple(value.shape)}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")

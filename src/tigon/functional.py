@@ -1,0 +1,276 @@
+"""The functional API: argument checks, then one call into :mod:`tigon.ops`.
+
+Every function accepts fp32, bf16 and fp16 tensors on a CUDA device (or on the CPU through
+Triton's interpreter), computes in fp32 and returns the input dtype unless stated otherwise.
+All gradients are exact (fp32 math, one rounding on store) and flow to every tensor input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_choice,
+    check_same_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
+from tigon.ops import cross_entropy as _cross_entropy
+from tigon.ops import fused_linear_cross_entropy as _fused_linear_cross_entropy
+from tigon.ops import gated as _gated
+from tigon.ops import layer_norm as _layer_norm
+from tigon.ops import rms_norm as _rms_norm
+from tigon.ops import rope as _rope
+from tigon.ops._launch import MAX_FUSED_ROW
+
+__all__ = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "layer_norm",
+    "rope",
+    "swiglu",
+    "geglu",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+]
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_norm_args(x, weight, bias=None):
+    check_tensor("x", x)
+    hidden = x.shape[-1]
+    if hidden > MAX_FUSED_ROW:
+        raise ValueError(f"x has hidden size {hidden}; tigon's norms support up to {MAX_FUSED_ROW}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None:
+            check_tensor(name, param)
+            check_shape(name, param, (hidden,), "the last dimension of x")
+    check_same_device(x=x, weight=weight, bias=bias)
+
+
+def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    """Root-mean-square normalisation over the last dimension.
+
+    Args:
+        x: ``[..., H]``, any row stride.
+        weight: ``[H]`` or ``None`` (no scale). Any float dtype; the output has ``x``'s dtype.
+        eps: added to the mean square.
+        offset: added to the weight: ``1.0`` gives Gemma's ``(1 + weight)``.
+        casting_mode: ``"llama"`` normalises in fp32, rounds to ``x.dtype`` and then multiplies by
+            the weight; ``"gemma"`` keeps everything in fp32 and rounds once at the end.
+    Returns: ``[..., H]`` in ``x.dtype``.
+    """
+    _check_norm_args(x, weight)
+    check_choice("casting_mode", casting_mode, _rms_norm.CASTING_MODES)
+    return _rms_norm.rms_norm(x, weight, float(eps), float(offset), casting_mode)
+
+
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    """``(rms_norm(x + residual), x + residual)`` in one pass over memory.
+
+    Args:
+        x, residual: ``[..., H]`` of one shape and dtype. The sum is rounded to that dtype, as an
+            eager ``x + residual`` would be.
+        Other arguments as :func:`rms_norm`.
+    Returns: ``(normed, summed)``, both ``[..., H]`` in ``x.dtype``.
+    """
+    _check_norm_args(x, weight)
+    check_tensor("residual", residual)
+    check_shape("residual", residual, tuple(x.shape), "the shape of x")
+    check_same_dtype(x=x, residual=residual)
+    check_same_device(x=x, residual=residual)
+    check_choice("casting_mode", casting_mode, _rms_norm.CASTING_MODES)
+    return _rms_norm.fused_add_rms_norm(x, residual, weight, float(eps), float(offset), casting_mode)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """Layer normalisation over the last dimension (``torch.nn.functional.layer_norm`` semantics).
+
+    Args:
+        x: ``[..., H]``, any row stride.
+        weight, bias: ``[H]`` or ``None``.
+    Returns: ``[..., H]`` in ``x.dtype``.
+    """
+    _check_norm_args(x, weight, bias)
+    return _layer_norm.layer_norm(x, weight, bias, float(eps))
+
+
+def rope(q, k, cos, sin, rotary_dim=None):
+    """Rotary position embedding of queries and keys in one launch (Hugging Face convention).
+
+    ``out = x · cos + rotate_half(x) · sin`` on the first ``rotary_dim`` features of each head,
+    where ``rotate_half([a, b]) = [-b, a]``; the remaining features pass through unchanged.
+
+    Args:
+        q: ``[B, Hq, T, D]``; k: ``[B, Hk, T, D]`` with ``Hk`` dividing ``Hq`` (GQA). Any strides
+            (the usual transposed ``[B, T, H, D]`` projections are read in place).
+        cos, sin: ``[B or 1, T, rotary_dim]`` (or ``[T, rotary_dim]``), as returned by a
+            Hugging Face rotary embedding.
+        rotary_dim: even, at most ``D``; defaults to ``D``.
+    Returns: ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
+    """
+    check_tensor("q", q, dim=4)
+    check_tensor("k", k, dim=4)
+    check_same_dtype(q=q, k=k)
+    batch, q_heads, seq_len, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != seq_len or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k must be [B, Hk, T, D] = [{batch}, Hk, {seq_len}, {head_dim}] to match q {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    if q_heads % k.shape[1] != 0:
+        raise ValueError(f"k's head count must divide q's (GQA): got q heads {q_heads}, k heads {k.shape[1]}")
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], got {rotary_dim}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_tensor(name, table)
+        if table.dim() == 2:
+            table_ok = tuple(table.shape) == (seq_len, rotary_dim)
+        else:
+            table_ok = table.dim() == 3 and table.shape[0] in (1, batch) and tuple(table.shape[1:]) == (seq_len, rotary_dim)
+        if not table_ok:
+            raise ValueError(
+                f"{name} must be [B or 1, T, rotary_dim] = [{batch} or 1, {seq_len}, {rotary_dim}] "
+                f"or [T, rotary_dim], got {tuple(table.shape)}"
+            )
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    return _rope.rope(q, k, cos, sin, rotary_dim)
+
+
+def _check_gated_args(gate, up):
+    check_tensor("gate", gate)
+    check_tensor("up", up)
+    check_shape("up", up, tuple(gate.shape), "the shape of gate")
+    check_same_dtype(gate=gate, up=up)
+    check_same_device(gate=gate, up=up)
+
+
+def swiglu(gate, up):
+    """``silu(gate) · up``. Backward recomputes the activation: nothing beyond the inputs is saved.
+
+    Args: gate, up: one shape ``[...]`` and dtype. Returns the same shape and dtype.
+    """
+    _check_gated_args(gate, up)
+    return _gated.swiglu(gate, up)
+
+
+def geglu(gate, up):
+    """``gelu_tanh(gate) · up`` (GELU with the tanh approximation, as Gemma's MLP).
+
+    Args: gate, up: one shape ``[...]`` and dtype. Returns the same shape and dtype.
+    """
+    _check_gated_args(gate, up)
+    return _gated.geglu(gate, up)
+
+
+def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_choice("reduction", reduction, REDUCTIONS)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if lse_square_scale < 0.0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale!r}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+
+
+def _check_target(target, expected_shape, what):
+    check_tensor("target", target, dtypes=INDEX_DTYPES, min_dim=0)
+    check_shape("target", target, expected_shape, what)
+
+
+def cross_entropy(
+    logits,
+    target,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    lse_square_scale=0.0,
+    softcap=None,
+    return_z_loss=False,
+    inplace_backward=False,
+):
+    """Softmax cross entropy with fp32 math, its gradient computed during the forward pass.
+
+    Per token with logits ``z`` (after ``softcap · tanh(z / softcap)`` when ``softcap`` is set)
+    and ``lse = logsumexp(z)``::
+
+        loss = (1 − ε)·(lse − z[target]) + ε·(lse − mean(z)) + lse_square_scale · lse²
+
+    (``ε = label_smoothing``, as ``torch.nn.functional.cross_entropy``; the last term is the
+    z-loss). Tokens whose target is ``ignore_index`` contribute zero loss and zero gradient;
+    ``"mean"`` divides by the number of the others (and returns 0 when there are none, where
+    PyTorch returns NaN).
+
+    Args:
+        logits: ``[..., V]`` fp32/bf16/fp16, ``V`` up to 262144; ``N·V`` may exceed 2³¹.
+        target: ``[...]`` int64/int32 in ``[0, V)`` or ``ignore_index``.
+        return_z_loss: also return the z-loss term (reduced like the loss, already included in
+            it, for logging: it carries no gradient of its own).
+        inplace_backward: write the gradient into ``logits``' storage during the forward pass,
+            so the loss costs no extra ``[N, V]`` memory. ``logits`` must then not be used
+            afterwards (its values are overwritten) nor be needed by another op's backward.
+    Returns: the loss (fp32; a scalar, or ``[...]`` for ``reduction="none"``), and the z-loss
+    when ``return_z_loss``.
+    """
+    check_tensor("logits", logits)
+    _check_target(target, tuple(logits.shape[:-1]), "the leading dimensions of logits")
+    check_same_device(logits=logits, target=target)
+    _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    return _cross_entropy.cross_entropy(
+        logits, target, ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
+        None if softcap is None else float(softcap), bool(return_z_loss), bool(inplace_backward),
+    )
+
+
+def fused_linear_cross_entropy(
+    input,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    lse_square_scale=0.0,
+    softcap=None,
+    return_z_loss=False,
+    chunk_memory_bytes=None,
+):
+    """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
+
+    Tokens are processed in chunks whose logits fit in ``chunk_memory_bytes`` (default: see
+    :data:`tigon.ops.fused_linear_cross_entropy.DEFAULT_CHUNK_MEMORY_BYTES`), so the extra memory
+    does not grow with ``N``. Gradients flow to ``input``, ``bias`` and to ``weight`` when it
+    requires grad (a frozen head, as with LoRA, costs no ``[V, H]`` gradient).
+
+    Args:
+        input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
+        target: ``[...]`` as ``input``'s leading dimensions.
+        Other options as :func:`cross_entropy`.
+    Returns: as :func:`cross_entropy`.
+    """
+    check_tensor("input", input)
+    check_tensor("weight", weight, dim=2)
+    if weight.shape[1] != input.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = input.shape[-1] = {input.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_shape("bias", bias, (weight.shape[0],), "the vocabulary size, weight.shape[0]")
+    check_same_dtype(input=input, weight=weight, bias=bias)
+    _check_target(target, tuple(input.shape[:-1]), "the leading dimensions of input")
+    check_same_device(input=input, weight=weight, target=target, bias=bias)
+    _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    if chunk_memory_bytes is not None and chunk_memory_bytes <= 0:
+        raise ValueError(f"chunk_memory_bytes must be None or > 0, got {chunk_memory_bytes!r}")
+    return _fused_linear_cross_entropy.fused_linear_cross_entropy(
+        input, weight, target, bias, ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
+        None if softcap is None else float(softcap), bool(return_z_loss), chunk_memory_bytes,
+    )

@@ -1,0 +1,125 @@
+"""``torch.nn`` modules over :mod:`tigon.functional`, drop-in for the Hugging Face modules they
+replace: same constructor arguments, parameter names and ``state_dict`` keys."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tigon import functional as F
+
+__all__ = [
+    "RMSNorm",
+    "LayerNorm",
+    "SwiGLUMLP",
+    "GeGLUMLP",
+    "CrossEntropyLoss",
+    "FusedLinearCrossEntropyLoss",
+]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension; ``weight [hidden_size]`` starts at ones (zeros when
+    ``offset=1``, Gemma's ``(1 + weight)`` parametrisation)."""
+
+    def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", device=None, dtype=None):
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+
+    def forward(self, hidden_states):
+        return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode!r}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension with ``weight`` and ``bias [hidden_size]``."""
+
+    def __init__(self, hidden_size, eps=1e-5, bias=True, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
+        self.eps = eps
+
+    def forward(self, hidden_states):
+        return F.layer_norm(hidden_states, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class _GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate fused by a tigon kernel."""
+
+    _gate = None
+
+    def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **factory)
+
+    def forward(self, x):
+        return self.down_proj(type(self)._gate(self.gate_proj(x), self.up_proj(x)))
+
+
+class SwiGLUMLP(_GatedMLP):
+    """Llama-style MLP: ``down_proj(silu(gate_proj(x)) · up_proj(x))``."""
+
+    _gate = staticmethod(F.swiglu)
+
+
+class GeGLUMLP(_GatedMLP):
+    """Gemma-style MLP: ``down_proj(gelu_tanh(gate_proj(x)) · up_proj(x))``."""
+
+    _gate = staticmethod(F.geglu)
+
+
+class CrossEntropyLoss(nn.Module):
+    """``loss(logits, target)`` with the options of :func:`tigon.functional.cross_entropy`.
+
+    ``inplace_backward`` defaults to ``True`` here: the gradient overwrites the logits during the
+    forward pass, so the loss costs no extra ``[N, V]`` memory. The logits must not be used after
+    the call; pass ``inplace_backward=False`` if they are.
+    """
+
+    def __init__(
+        self, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+        softcap=None, return_z_loss=False, inplace_backward=True,
+    ):
+        super().__init__()
+        self.options = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+            inplace_backward=inplace_backward,
+        )
+
+    def forward(self, logits, target):
+        return F.cross_entropy(logits, target, **self.options)
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """``loss(input, weight, target, bias=None)``: the cross entropy of ``input @ weight.T + bias``
+    without materialising the logits; options of :func:`tigon.functional.fused_linear_cross_entropy`."""
+
+    def __init__(
+        self, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+        softcap=None, return_z_loss=False, chunk_memory_bytes=None,
+    ):
+        super().__init__()
+        self.options = dict(
+            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
+            chunk_memory_bytes=chunk_memory_bytes,
+        )
+
+    def forward(self, input, weight, target, bias=None):
+        return F.fused_linear_cross_entropy(input, weight, target, bias, **self.options)

@@ -1,0 +1,1 @@
+"""Triton kernels, their launchers and autograd functions: one module per kernel family."""

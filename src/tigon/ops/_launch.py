@@ -1,0 +1,84 @@
+"""Helpers shared by every kernel family: launch geometry, row views and custom-op registration."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+
+# Widest row a single program holds in registers (elements); longer rows loop over blocks.
+MAX_FUSED_ROW = 65536
+
+
+def interpreting() -> bool:
+    """True when kernels run through Triton's CPU interpreter rather than on a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def row_launch_config(n_cols: int, element_size: int) -> tuple[int, int]:
+    """Block width and warp count for a kernel that holds one row of ``n_cols`` elements.
+
+    The block is the next power of two of the row; warps grow with the row's bytes so that each
+    thread keeps roughly 8-16 elements in flight (16-byte vectors for 16-bit dtypes).
+    """
+    block_n = triton.next_power_of_2(n_cols)
+    row_bytes = block_n * element_size
+    if row_bytes <= 2048:
+        num_warps = 1 if row_bytes <= 512 else 2
+    elif row_bytes <= 8192:
+        num_warps = 4
+    elif row_bytes <= 32768:
+        num_warps = 8
+    else:
+        num_warps = 16
+    return block_n, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_for(device: torch.device, programs_per_sm: int = 1) -> int:
+    """Size of a persistent grid on ``device``: a few programs per multiprocessor."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * programs_per_sm
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., H]`` as a 2-D ``[rows, H]`` view whose last dimension is contiguous.
+
+    Copies only when no such view exists (a transposed last dimension, or leading dimensions
+    that cannot be merged); any row stride is passed to the kernels as is.
+    """
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def tigon_op(name: str, *, mutates_args: tuple[str, ...] = (), fake: Callable | None = None):
+    """Register a launcher as the PyTorch custom op ``tigon::<name>``.
+
+    Ops are opaque to ``torch.compile`` (no graph break, no tracing into Triton) and their
+    ``fake`` function gives output shapes for tracing.
+    """
+
+    def register(launcher: Callable):
+        op = torch.library.custom_op(f"tigon::{name}", mutates_args=mutates_args)(launcher)
+        if fake is not None:
+            op.register_fake(fake)
+        return op
+
+    return register
+
+
+def empty_tensor(device: torch.device) -> torch.Tensor:
+    """A placeholder passed where an optional tensor is absent (custom ops take no ``None`` pointers
+    into Triton; kernels are told by a constexpr flag not to touch it)."""
+    return torch.empty(0, device=device)

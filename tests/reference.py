@@ -1,0 +1,105 @@
+"""Plain-PyTorch references, one per op: the truth for tests and the ``torch`` provider of benchmarks.
+
+Each follows what Hugging Face's eager modules compute. Given bf16/fp16 inputs they run as the
+eager model does (fp32 math where it upcasts); given fp64 inputs they compute everything in fp64,
+which is how the tests obtain a higher-precision truth from the very same input values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    compute = _compute_dtype(x.dtype)
+    xf = x.to(compute)
+    x_hat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "llama":
+        x_hat = x_hat.to(x.dtype)
+        return x_hat if weight is None else (offset + weight).to(x.dtype) * x_hat
+    if weight is not None:
+        x_hat = x_hat * (offset + weight.to(compute))
+    return x_hat.to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    summed = x + residual
+    return rms_norm(summed, weight, eps, offset, casting_mode), summed
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    compute = _compute_dtype(x.dtype)
+    out = F.layer_norm(
+        x.to(compute), x.shape[-1:],
+        None if weight is None else weight.to(compute),
+        None if bias is None else bias.to(compute),
+        eps,
+    )
+    return out.to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(q, k, cos, sin, rotary_dim=None):
+    rotary_dim = q.shape[-1] if rotary_dim is None else rotary_dim
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def apply(x):
+        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        rotated = rotated * cos + rotate_half(rotated) * sin
+        return torch.cat((rotated, passed), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def geglu(gate, up):
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def cross_entropy(
+    logits,
+    target,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    lse_square_scale=0.0,
+    softcap=None,
+    return_z_loss=False,
+):
+    z = logits.to(_compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1])
+    target = target.reshape(-1)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = target != ignore_index
+    per_token = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    z_loss = lse_square_scale * torch.logsumexp(z, dim=-1).pow(2) * valid
+    per_token = per_token + z_loss
+    if reduction == "none":
+        loss, z_loss = per_token.reshape(logits.shape[:-1]), z_loss.reshape(logits.shape[:-1])
+    elif reduction == "sum":
+        loss, z_loss = per_token.sum(), z_loss.sum()
+    else:
+        n_valid = valid.sum().clamp(min=1)
+        loss, z_loss = per_token.sum() / n_valid, z_loss.sum() / n_valid
+    return (loss, z_loss) if return_z_loss else loss
+
+
+def fused_linear_cross_entropy(input, weight, target, bias=None, **options):
+    logits = input @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    return cross_entropy(logits, target, **options)

@@ -1,0 +1,50 @@
+"""What every test shares: the device, the tolerances per dtype and the error measure."""
+
+from __future__ import annotations
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Relative error ‖actual − truth‖ / ‖truth‖ allowed per dtype, against a truth computed in fp64
+# from the same input values: one rounding of the output to the dtype, plus fp32 accumulation.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def pick(cpu, gpu):
+    """Small shapes for the interpreter, real ones on a GPU."""
+    return gpu if ON_GPU else cpu
+
+
+def relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    """Norm-wise relative error over the finite entries; non-finite entries must match exactly
+    (NaN where the truth has NaN, the same infinity where it has one)."""
+    actual, truth = actual.detach().double().cpu(), truth.detach().double().cpu()
+    assert actual.shape == truth.shape, f"shape {tuple(actual.shape)} != {tuple(truth.shape)}"
+    finite = torch.isfinite(truth)
+    assert torch.equal(torch.isfinite(actual), finite), "finite entries differ from the truth's"
+    assert torch.equal(actual[~finite].nan_to_num(), truth[~finite].nan_to_num()), "non-finite entries differ"
+    actual, truth = actual[finite], truth[finite]
+    scale = truth.norm().item()
+    return (actual - truth).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def assert_close(actual: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, what: str, factor: float = 1.0):
+    """``factor`` widens the dtype's tolerance for quantities that pass through more roundings
+    (a gradient reduced over many rows, a value recomputed from a rounded intermediate); each use
+    says why."""
+    error = relative_error(actual, truth)
+    limit = TOLERANCE[dtype] * factor
+    assert error <= limit, f"{what}: relative error {error:.3g} > {limit:.3g} ({dtype})"
+
+
+def randn(*shape, dtype=torch.float32, requires_grad=False, scale=1.0):
+    t = (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def leaf_copies(*tensors, dtype=torch.float64):
+    """Detached copies that require grad: the fp64 copies feed the reference."""
+    return [None if t is None else t.detach().to(dtype).requires_grad_(t.requires_grad) for t in tensors]
