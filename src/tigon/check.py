@@ -1,0 +1,166 @@
+"""``tigon check``: the environment, then every op once against its fp64 reference.
+
+For each op it runs forward and backward through tigon in bf16 (fp32 where noted) and through
+the plain-PyTorch reference in fp64 on the same input values, and prints the largest relative
+error (‖out − truth‖ / ‖truth‖) over the outputs and over every input gradient, and the time
+of one tigon forward + backward (wall clock, after a warm-up call; through the interpreter on
+a CPU-only machine, where it says nothing about GPU speed).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from tigon import functional as F
+from tigon._reference import load_reference
+from tigon.ops._launch import interpreting
+
+# Relative error allowed against the fp64 truth, per dtype (as the test suite).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@dataclass
+class Case:
+    name: str
+    shape: str
+    make_inputs: Callable[[torch.device, torch.dtype, bool], dict]
+    run: Callable[[object, dict], object]
+    dtype: torch.dtype = torch.bfloat16
+
+
+def _randn(device, dtype, *shape, scale=1.0):
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+
+def _cases(small: bool) -> list[Case]:
+    rows, hidden = (64, 200) if small else (4096, 4096)
+    batch, q_heads, k_heads, seq, head_dim = (1, 4, 2, 24, 32) if small else (2, 32, 8, 2048, 128)
+    inter = 300 if small else 14336
+    n_tokens, vocab, lm_hidden = (48, 1000, 64) if small else (4096, 128256, 4096)
+
+    def norm_inputs(device, dtype, residual):
+        inputs = {"x": _randn(device, dtype, rows, hidden), "weight": _randn(device, dtype, hidden)}
+        if residual:
+            inputs["residual"] = _randn(device, dtype, rows, hidden)
+        return inputs
+
+    def rope_inputs(device, dtype, _):
+        angles = torch.rand(1, seq, head_dim // 2, device=device) * 6.28
+        angles = torch.cat((angles, angles), dim=-1)
+        return {
+            "q": _randn(device, dtype, batch, seq, q_heads, head_dim).transpose(1, 2),
+            "k": _randn(device, dtype, batch, seq, k_heads, head_dim).transpose(1, 2),
+            "cos": angles.cos().to(dtype),
+            "sin": angles.sin().to(dtype),
+        }
+
+    def gate_inputs(device, dtype, _):
+        return {"gate": _randn(device, dtype, rows, inter), "up": _randn(device, dtype, rows, inter)}
+
+    def ce_inputs(device, dtype, _):
+        target = torch.randint(0, vocab, (n_tokens,), device=device)
+        target[::7] = -100
+        return {"logits": _randn(device, dtype, n_tokens, vocab, scale=4.0), "target": target}
+
+    def flce_inputs(device, dtype, _):
+        target = torch.randint(0, vocab, (n_tokens,), device=device)
+        target[::7] = -100
+        return {
+            "input": _randn(device, dtype, n_tokens, lm_hidden),
+            "weight": _randn(device, dtype, vocab, lm_hidden, scale=lm_hidden**-0.5),
+            "target": target,
+        }
+
+    def ln_inputs(device, dtype, _):
+        return {**norm_inputs(device, dtype, False), "bias": _randn(device, dtype, hidden)}
+
+    return [
+        Case("rms_norm", f"[{rows}, {hidden}]", lambda d, t, _: norm_inputs(d, t, False), lambda m, i: m.rms_norm(**i)),
+        Case(
+            "fused_add_rms_norm", f"[{rows}, {hidden}]", lambda d, t, _: norm_inputs(d, t, True),
+            lambda m, i: m.fused_add_rms_norm(**i),
+        ),
+        Case("layer_norm", f"[{rows}, {hidden}]", ln_inputs, lambda m, i: m.layer_norm(**i)),
+        Case("rope", f"q [{batch}, {q_heads}, {seq}, {head_dim}]", rope_inputs, lambda m, i: m.rope(**i)),
+        Case("swiglu", f"[{rows}, {inter}]", gate_inputs, lambda m, i: m.swiglu(**i)),
+        Case("geglu", f"[{rows}, {inter}]", gate_inputs, lambda m, i: m.geglu(**i)),
+        Case("cross_entropy", f"[{n_tokens}, {vocab}]", ce_inputs, lambda m, i: m.cross_entropy(**i)),
+        Case(
+            "fused_linear_cross_entropy", f"[{n_tokens}, {lm_hidden}] x [{vocab}, {lm_hidden}]", flce_inputs,
+            lambda m, i: m.fused_linear_cross_entropy(**i),
+        ),
+    ]
+
+
+def _relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    actual, truth = actual.detach().double(), truth.detach().double()
+    scale = truth.norm().item()
+    return (actual - truth).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def _forward_backward(module, run, inputs, grad_seed: int):
+    inputs = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in inputs.items()}
+    outputs = run(module, inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    generator = torch.Generator(device=outputs[0].device).manual_seed(grad_seed)
+    grads = [torch.randn(o.shape, device=o.device, generator=generator).to(o.dtype) for o in outputs]
+    torch.autograd.backward(outputs, grads)
+    input_grads = {k: v.grad for k, v in inputs.items() if v.grad is not None}
+    return outputs, input_grads
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment_lines(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        where = f"GPU: {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    else:
+        where = "no GPU: kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1)"
+    return [
+        f"python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
+        where,
+    ]
+
+
+def main() -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    small = device.type != "cuda" or interpreting()
+    for line in environment_lines(device):
+        print(line)
+    reference = load_reference()
+    header = f"{'op':<28}{'shape':<32}{'dtype':<10}{'output err':>12}{'grad err':>12}{'limit':>9}{'time (ms)':>11}  ok"
+    print(header)
+    print("-" * len(header))
+    failures = 0
+    torch.manual_seed(0)
+    for case in _cases(small):
+        inputs = case.make_inputs(device, case.dtype, False)
+        _forward_backward(F, case.run, inputs, grad_seed=1)
+        _sync(device)
+        start = time.perf_counter()
+        outputs, grads = _forward_backward(F, case.run, inputs, grad_seed=1)
+        _sync(device)
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        inputs64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+        truths, truth_grads = _forward_backward(reference, case.run, inputs64, grad_seed=1)
+        output_error = max(_relative_error(o, t) for o, t in zip(outputs, truths))
+        grad_error = max(_relative_error(grads[k], truth_grads[k]) for k in truth_grads)
+        limit = TOLERANCE[case.dtype]
+        ok = output_error <= limit and grad_error <= limit
+        failures += not ok
+        dtype = str(case.dtype).removeprefix("torch.")
+        print(
+            f"{case.name:<28}{case.shape:<32}{dtype:<10}{output_error:>12.2e}{grad_error:>12.2e}"
+            f"{limit:>9.0e}{elapsed_ms:>11.2f}  {'yes' if ok else 'NO'}"
+        )
+    print(f"{len(_cases(small)) - failures} passed, {failures} failed")
+    return 1 if failures else 0

@@ -1,0 +1,74 @@
+"""Bad input gets a clear error at the API boundary, naming the argument, what it got and what
+was expected; nothing reaches a kernel."""
+
+import pytest
+import torch
+
+import tigon.functional as tf
+from utils import DEVICE, randn
+
+OTHER_DEVICE = torch.device("meta")
+
+
+def _raises(error, match, fn, *args, **kwargs):
+    with pytest.raises(error, match=match):
+        fn(*args, **kwargs)
+
+
+def test_norm_errors():
+    x = randn(4, 16)
+    _raises(ValueError, r"weight must have shape \(16,\).*got \(15,\)", tf.rms_norm, x, randn(15))
+    _raises(TypeError, r"x has dtype torch.int64; expected one of float32, bfloat16, float16", tf.rms_norm, x.long())
+    _raises(TypeError, r"x must be a torch.Tensor, got list", tf.rms_norm, [1.0, 2.0])
+    _raises(ValueError, r"casting_mode must be one of 'llama', 'gemma'; got 'llamas'", tf.rms_norm, x, None, casting_mode="llamas")
+    _raises(ValueError, r"residual must have shape \(4, 16\)", tf.fused_add_rms_norm, x, randn(4, 17))
+    _raises(TypeError, r"tensors must share one dtype, got x torch.float32, residual torch.bfloat16",
+            tf.fused_add_rms_norm, x, randn(4, 16, dtype=torch.bfloat16))
+    _raises(ValueError, r"bias must have shape \(16,\)", tf.layer_norm, x, randn(16), randn(3))
+    _raises(ValueError, r"tensors must be on one device, got x on .*, weight on meta",
+            tf.rms_norm, x, torch.empty(16, device=OTHER_DEVICE))
+
+
+def test_rope_errors():
+    q, k = randn(1, 4, 6, 8), randn(1, 2, 6, 8)
+    cos = sin = randn(1, 6, 8)
+    _raises(ValueError, r"q must have 4 dimension\(s\), got shape \(4, 6, 8\)", tf.rope, q[0], k, cos, sin)
+    _raises(ValueError, r"k's head count must divide q's \(GQA\): got q heads 4, k heads 3", tf.rope, q, randn(1, 3, 6, 8), cos, sin)
+    _raises(ValueError, r"k must be \[B, Hk, T, D\]", tf.rope, q, randn(1, 2, 5, 8), cos, sin)
+    _raises(ValueError, r"rotary_dim must be even and in \(0, 8\], got 5", tf.rope, q, k, cos, sin, rotary_dim=5)
+    _raises(ValueError, r"cos must be \[B or 1, T, rotary_dim\]", tf.rope, q, k, randn(1, 6, 4), sin)
+
+
+def test_gated_errors():
+    _raises(ValueError, r"up must have shape \(3, 5\)", tf.swiglu, randn(3, 5), randn(3, 6))
+    _raises(TypeError, r"gate has dtype torch.int32", tf.geglu, torch.ones(3, 5, dtype=torch.int32, device=DEVICE), randn(3, 5))
+
+
+def test_cross_entropy_errors():
+    logits = randn(5, 11)
+    target = torch.randint(0, 11, (5,), device=DEVICE)
+    _raises(ValueError, r"target must have shape \(5,\)", tf.cross_entropy, logits, target[:4])
+    _raises(TypeError, r"target has dtype torch.float32; expected one of int64, int32", tf.cross_entropy, logits, target.float())
+    _raises(ValueError, r"reduction must be one of 'mean', 'sum', 'none'; got 'avg'", tf.cross_entropy, logits, target, reduction="avg")
+    _raises(ValueError, r"label_smoothing must be in \[0, 1\], got 1.5", tf.cross_entropy, logits, target, label_smoothing=1.5)
+    _raises(ValueError, r"softcap must be None or > 0, got 0.0", tf.cross_entropy, logits, target, softcap=0.0)
+    _raises(ValueError, r"lse_square_scale must be >= 0", tf.cross_entropy, logits, target, lse_square_scale=-1.0)
+    bad = target.clone()
+    bad[2] = 11
+    _raises(ValueError, r"target.*11.*\[0, 11\)", tf.cross_entropy, logits, bad)
+    bad[2] = -5
+    _raises(ValueError, r"target.*-5", tf.cross_entropy, logits, bad)
+
+
+def test_fused_linear_cross_entropy_errors():
+    x, weight = randn(5, 8), randn(11, 8)
+    target = torch.randint(0, 11, (5,), device=DEVICE)
+    _raises(ValueError, r"weight must be \[V, H\] with H = input.shape\[-1\] = 8, got \(11, 7\)",
+            tf.fused_linear_cross_entropy, x, randn(11, 7), target)
+    _raises(ValueError, r"bias must have shape \(11,\)", tf.fused_linear_cross_entropy, x, weight, target, randn(10))
+    _raises(TypeError, r"tensors must share one dtype", tf.fused_linear_cross_entropy, x, weight.bfloat16(), target)
+    _raises(ValueError, r"chunk_memory_bytes must be None or > 0", tf.fused_linear_cross_entropy, x, weight, target,
+            chunk_memory_bytes=0)
+    bad = target.clone()
+    bad[0] = 11
+    _raises(ValueError, r"target.*11", tf.fused_linear_cross_entropy, x, weight, bad)
