@@ -3,6 +3,7 @@ import torch
 
 import reference
 import tigon.functional as tf
+from tigon.ops import rms_norm as rms_norm_ops
 from utils import DTYPES, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
@@ -92,3 +93,19 @@ def test_nan_propagates():
     x[1, 5] = float("nan")
     out = tf.rms_norm(x, randn(64))
     assert out[1].isnan().all() and out[[0, 2, 3]].isfinite().all()
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_custom_ops_fake_matches_real(with_residual):
+    # Fake outputs must match the real ones in shape, dtype and strides (also for a column-major
+    # input, which the launcher copies), or torch.compile miscompiles whatever follows the op.
+    x = randn(64, 40, dtype=torch.bfloat16).t()
+    residual = randn(40, 64, dtype=torch.bfloat16) if with_residual else None
+    weight = randn(64, dtype=torch.bfloat16)
+    checks = ("test_schema", "test_faketensor")
+    fwd_args = (x, residual, weight, 1e-6, 0.0, "llama")
+    torch.library.opcheck(rms_norm_ops.rms_norm_fwd, fwd_args, test_utils=checks)
+    _, summed, rstd = rms_norm_ops.rms_norm_fwd(*fwd_args)
+    normed_input = summed if with_residual else x
+    bwd_args = (torch.randn_like(x), residual, normed_input, weight, rstd, 0.0, True)
+    torch.library.opcheck(rms_norm_ops.rms_norm_bwd, bwd_args, test_utils=checks)

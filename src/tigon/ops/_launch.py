@@ -37,6 +37,12 @@ def row_launch_config(n_cols: int, element_size: int) -> tuple[int, int]:
     return block_n, num_warps
 
 
+def rows_per_block(n_cols: int, min_elements: int = 4096, max_rows: int = 16) -> int:
+    """Rows a program handles together so that its tile holds at least ~``min_elements`` elements:
+    short rows alone would leave most of a program's lanes idle."""
+    return max(1, min(max_rows, min_elements // triton.next_power_of_2(n_cols)))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,1 +1,236 @@
-"""(being written)"""
+"""LayerNorm (``torch.nn.functional.layer_norm`` over the last dimension).
+
+Forward, per row ``x [H]`` (fp32 math whatever the storage dtype)::
+
+    mean = Σ x / H
+    rstd = 1 / sqrt(Σ (x − mean)² / H + eps)
+    x̂    = (x − mean) · rstd
+    y    = x̂ · w + b                        w, b optional, each on its own
+
+Backward, with ``g = dy · w`` (the gradient arriving at ``x̂``)::
+
+    dx = rstd · (g − mean(g) − x̂ · mean(g · x̂))
+    dw = Σ_rows dy · x̂
+    db = Σ_rows dy
+
+Shapes: ``x [..., H]`` of fp32/bf16/fp16 with any row stride, ``weight``/``bias [H]`` of any float
+dtype or ``None``; ``mean`` and ``rstd`` are saved per row in fp32, ``x̂`` is recomputed. Bytes
+per call (the roofline): forward reads x and writes y (2·N·H elements), backward reads x and dy and
+writes dx (3·N·H); the weight and bias gradients add a ``[programs, H]`` fp32 partial sum each.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, rows_per_block, tigon_op
+
+# Shared memory an SM gives to the backward's software pipeline (x and dy tiles in flight).
+_PIPELINE_SMEM_BYTES = 128 * 1024
+
+
+@triton.jit
+def layer_norm_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    n_rows, n_cols,
+    stride_x, stride_y,
+    eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    # Variance of the centred row (two passes over registers), not E[x²] − mean², which cancels
+    # catastrophically when |mean| ≫ std. Padding columns are zeroed so they add nothing.
+    x_centred = tl.where(col_mask[None, :], x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x_centred * x_centred, axis=1) / n_cols + eps)
+    tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+    y = x_centred * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def layer_norm_bwd_kernel(
+    X, W, MEAN, RSTD, DY, DX, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols,
+    stride_x, stride_dy, stride_dx, stride_partial,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    # Persistent grid: program p handles row blocks p, p + P, p + 2P, ... and keeps its share of
+    # dw and db in registers, so the parameter gradients need one small [P, H] reduction
+    # afterwards instead of atomics or a serial pass over the rows. The loop is software-pipelined
+    # (NUM_STAGES): the next blocks' x and dy are in flight while this one is computed.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    for block_start in tl.range(pid * BLOCK_M, n_rows, n_programs * BLOCK_M, num_stages=NUM_STAGES):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+
+        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+
+        # Padding (rows or columns) has dy = 0, so it adds nothing to the sums below.
+        x_hat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * w[None, :] if HAS_WEIGHT else dy
+        if COMPUTE_DW:
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+        if COMPUTE_DB:
+            db_acc += tl.sum(dy, axis=0)
+        # y depends on x through x − mean and through rstd. dx = rstd · (g − mean(g) − x̂·mean(g·x̂)):
+        # g is the direct path; −mean(g) is the gradient through the mean, which every x_j shifts
+        # by 1/H; −x̂·mean(g·x̂) is the gradient through rstd, whose derivative in x_j is
+        # −rstd²·x̂_j / H. Both means are projections that leave dx with zero mean and no
+        # component along x̂, as a normalisation's gradient must.
+        mean_g = tl.sum(g, axis=1) / n_cols
+        mean_g_xhat = tl.sum(g * x_hat, axis=1) / n_cols
+        dx = rstd[:, None] * (g - mean_g[:, None] - x_hat * mean_g_xhat[:, None])
+        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * stride_partial + cols, dw_acc, mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + pid * stride_partial + cols, db_acc, mask=col_mask)
+
+
+class _BwdConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    programs_per_sm: int
+    num_stages: int
+
+
+def _bwd_launch_config(n_cols: int, element_size: int) -> _BwdConfig:
+    """Tile and grid of the backward.
+
+    A loop step covers ~8K elements (two rows at H = 4096) with up to 16 warps, so every thread
+    moves 16-byte vectors and holds few enough registers for dw, db and w besides the tile. One
+    such program per SM keeps the [P, H] partial sums small (P = SM count); the pipeline depth
+    is what fits ``_PIPELINE_SMEM_BYTES`` (a depth of 1 means no pipelining).
+    """
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = rows_per_block(n_cols, min_elements=8192)
+    tile = block_m * block_n
+    num_warps = min(16, max(4, tile // 512))
+    programs_per_sm = max(1, 16 // num_warps)
+    stage_bytes = 2 * tile * element_size * programs_per_sm
+    num_stages = max(1, min(3, _PIPELINE_SMEM_BYTES // stage_bytes))
+    return _BwdConfig(block_m, block_n, num_warps, programs_per_sm, num_stages)
+
+
+def _fwd_fake(x, weight, bias, eps):
+    n_rows = math.prod(x.shape[:-1])
+    stats = x.new_empty(n_rows, dtype=torch.float32)
+    return x.new_empty((n_rows, x.shape[-1])), stats, torch.empty_like(stats)
+
+
+@tigon_op("layer_norm_fwd", fake=_fwd_fake)
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [..., H]`` → ``y [N, H]`` in ``x.dtype``, ``mean [N]`` and ``rstd [N]`` in fp32."""
+    x2d = as_rows(x)
+    n_rows, n_cols = x2d.shape
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block_n, num_warps = row_launch_config(n_cols, x.element_size())
+    block_m = rows_per_block(n_cols)
+    layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x2d, weight, bias, y, mean, rstd,
+        n_rows, n_cols,
+        x2d.stride(0), y.stride(0),
+        eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, mean, rstd
+
+
+def _bwd_fake(dy, x, weight, mean, rstd, compute_dw, compute_db):
+    n_rows, n_cols = math.prod(x.shape[:-1]), x.shape[-1]
+    param_grads = x.new_empty((int(compute_dw) + int(compute_db), n_cols), dtype=torch.float32)
+    return x.new_empty((n_rows, n_cols)), param_grads
+
+
+@tigon_op("layer_norm_bwd", fake=_bwd_fake)
+def layer_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+    compute_dw: bool, compute_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``dx [N, H]`` in ``x.dtype`` and ``param_grads [k, H]`` in fp32: the rows are
+    ``dw`` (if ``compute_dw``) then ``db`` (if ``compute_db``), stacked so that one reduction
+    finishes both."""
+    x2d, dy2d = as_rows(x), as_rows(dy)
+    n_rows, n_cols = x2d.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    config = _bwd_launch_config(n_cols, x.element_size())
+    n_programs = max(1, min(triton.cdiv(n_rows, config.block_m), num_programs_for(x.device, config.programs_per_sm)))
+    n_param_grads = int(compute_dw) + int(compute_db)
+    partials = torch.empty((n_programs, n_param_grads, n_cols), dtype=torch.float32, device=x.device)
+    layer_norm_bwd_kernel[(n_programs,)](
+        x2d, weight, mean, rstd, dy2d, dx,
+        partials[:, 0] if compute_dw else None, partials[:, -1] if compute_db else None,
+        n_rows, n_cols,
+        x2d.stride(0), dy2d.stride(0), dx.stride(0), partials.stride(0),
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+    )
+    return dx, partials.sum(0)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Saves ``x``, ``mean`` and ``rstd``; ``x̂`` is recomputed in backward. ``dw`` and ``db`` are
+    computed only for parameters that require grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        compute_dw, compute_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx, param_grads = layer_norm_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+        dw = param_grads[0].to(weight.dtype) if compute_dw else None
+        db = param_grads[-1].to(ctx.bias_dtype) if compute_db else None
+        return dx.view(dy.shape), dw, db, None
+
+
+def layer_norm(x, weight, bias, eps):
+    """``x [..., H]`` → ``y [..., H]``; inputs validated by :mod:`tigon.functional`."""
+    return LayerNormFunction.apply(x, weight, bias, eps)

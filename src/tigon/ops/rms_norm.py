@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, tigon_op
+from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, rows_per_block, tigon_op
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -111,16 +111,12 @@ def rms_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
-def _rows_per_program(n_cols: int, target_elements: int) -> int:
-    """Rows handled together so that a program works on about ``target_elements`` at a time."""
-    return max(1, min(16, target_elements // triton.next_power_of_2(n_cols)))
-
-
 def _fwd_fake(x, residual, weight, eps, offset, casting_mode):
-    x2d = x.reshape(-1, x.shape[-1])
-    y = torch.empty_like(x2d)
-    sum_out = torch.empty_like(x2d) if residual is not None else x2d.new_empty(0)
-    return y, sum_out, x2d.new_empty(x2d.shape[0], dtype=torch.float32)
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
+    y = x.new_empty((n_rows, n_cols))
+    sum_out = x.new_empty((n_rows, n_cols)) if residual is not None else x.new_empty(0)
+    return y, sum_out, x.new_empty(n_rows, dtype=torch.float32)
 
 
 @tigon_op("rms_norm_fwd", fake=_fwd_fake)
@@ -140,7 +136,7 @@ def rms_norm_fwd(
     else:
         residual2d, sum_out = x2d, y.new_empty(0)
     block_n, num_warps = row_launch_config(n_cols, x.element_size())
-    block_m = _rows_per_program(n_cols, 4096)
+    block_m = rows_per_block(n_cols)
     rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
         x2d, residual2d, weight, y, sum_out, rstd,
         n_rows, n_cols,
@@ -154,9 +150,10 @@ def rms_norm_fwd(
 
 
 def _bwd_fake(dy, dsum, x, weight, rstd, offset, weight_requires_grad):
-    x2d = x.reshape(-1, x.shape[-1])
-    dw = x2d.new_empty(x2d.shape[1], dtype=weight.dtype) if weight is not None and weight_requires_grad else x2d.new_empty(0)
-    return torch.empty_like(x2d), dw
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
+    dw = x.new_empty(n_cols, dtype=weight.dtype) if weight is not None and weight_requires_grad else x.new_empty(0)
+    return x.new_empty((n_rows, n_cols)), dw
 
 
 @tigon_op("rms_norm_bwd", fake=_bwd_fake)
@@ -173,7 +170,7 @@ def rms_norm_bwd(
     block_n, num_warps = row_launch_config(n_cols, x.element_size())
     # Measured on an H100 at [16384, 4096] bf16: one program per multiprocessor holding 4 rows
     # (16K elements) in flight reaches 89% of the copy ceiling; 2 per SM with 1 row, 84%.
-    block_m = _rows_per_program(n_cols, 16384)
+    block_m = rows_per_block(n_cols, min_elements=16384)
     n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, 1)))
     compute_dw = weight is not None and weight_requires_grad
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else None

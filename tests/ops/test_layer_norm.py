@@ -1,0 +1,137 @@
+import pytest
+import torch
+
+import reference
+import tigon.functional as tf
+from tigon.ops import layer_norm as layer_norm_ops
+from utils import DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
+
+SHAPES = pick(
+    # The last two give the backward several programs, each looping over several row blocks.
+    cpu=[(7, 33), (3, 5, 128), (2, 300), (211, 40), (9, 5000)],
+    gpu=[(4096, 4096), (3, 1000, 5120), (257, 8192)],
+)
+
+
+def _x(shape, dtype, layout):
+    if layout == "strided":
+        # Rows of a wider buffer: any row stride must be read in place.
+        return randn(*shape[:-1], shape[-1] + 8, dtype=dtype)[..., 3 : 3 + shape[-1]].requires_grad_()
+    return randn(*shape, dtype=dtype, requires_grad=True)
+
+
+def _params(n_cols, dtype, weight=True, bias=True, requires_grad=True):
+    def make(present):
+        return randn(n_cols, dtype=dtype, requires_grad=requires_grad) if present else None
+
+    return make(weight), make(bias)
+
+
+def _check_against_reference(x, weight, bias, eps=1e-5):
+    """Runs tigon and the fp64 reference on the same values and the same output gradient, then
+    compares the output and the gradient of every input that requires one."""
+    dtype = x.dtype
+    truth_inputs = leaf_copies(x, weight, bias)
+    out = tf.layer_norm(x, weight, bias, eps=eps)
+    truth = reference.layer_norm(*truth_inputs, eps=eps)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert_close(out, truth, dtype, "output")
+
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    truth.backward(grad_out.to(truth.dtype))
+    for name, tensor, truth_tensor in zip(("x", "weight", "bias"), (x, weight, bias), truth_inputs):
+        if tensor is not None and tensor.requires_grad:
+            assert tensor.grad.dtype == tensor.dtype
+            assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_layer_norm(shape, dtype, layout):
+    x = _x(shape, dtype, layout)
+    _check_against_reference(x, *_params(shape[-1], dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight, bias", [(True, False), (False, True), (False, False)])
+def test_layer_norm_without_params(dtype, weight, bias):
+    shape = SHAPES[0]
+    x = randn(*shape, dtype=dtype, requires_grad=True)
+    _check_against_reference(x, *_params(shape[-1], dtype, weight, bias))
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_frozen_param_gets_no_grad(frozen):
+    shape = SHAPES[0]
+    x = randn(*shape, requires_grad=True)
+    weight, bias = _params(shape[-1], torch.float32)
+    frozen_param = weight if frozen == "weight" else bias
+    frozen_param.requires_grad_(False)
+    _check_against_reference(x, weight, bias)
+    assert frozen_param.grad is None
+
+
+def test_layer_norm_fp32_params_with_half_input():
+    # Mixed precision: bf16 activations, fp32 parameters whose gradients stay fp32.
+    shape = SHAPES[1]
+    x = randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+    _check_against_reference(x, *_params(shape[-1], torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_large_mean_and_eps(dtype):
+    # A mean far above the spread: a one-pass E[x²] − mean² variance misses the fp32 tolerance here.
+    shape = SHAPES[2]
+    x = (randn(*shape) * 0.5 + 16.0).to(dtype).requires_grad_()
+    _check_against_reference(x, *_params(shape[-1], dtype), eps=0.1)
+
+
+def test_layer_norm_leading_dims_not_mergeable():
+    # A transposed batch cannot be viewed as rows: the launcher copies it and still answers right.
+    shape = SHAPES[1]
+    x = randn(shape[1], shape[0], shape[2]).transpose(0, 1).requires_grad_()
+    _check_against_reference(x, *_params(shape[-1], torch.float32))
+
+
+def test_nan_propagates():
+    x = randn(4, 64, requires_grad=True)
+    with torch.no_grad():
+        x[1, 5] = float("nan")
+    weight, bias = _params(64, torch.float32)
+    out = tf.layer_norm(x, weight, bias)
+    assert out[1].isnan().all() and out[[0, 2, 3]].isfinite().all()
+    out.backward(torch.ones_like(out))
+    assert x.grad[1].isnan().all() and x.grad[[0, 2, 3]].isfinite().all()
+    assert weight.grad.isnan().all() and bias.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("weight, bias", [(True, True), (False, True), (True, False)])
+def test_custom_ops_fake_matches_real(weight, bias):
+    # The fake functions must give the real outputs' shapes, dtypes and strides, or
+    # torch.compile miscompiles whatever follows the op.
+    x = randn(3, 5, 48, dtype=torch.bfloat16)[:, :, :40]
+    weight, bias = _params(40, torch.bfloat16, weight, bias, requires_grad=False)
+    y, mean, rstd = layer_norm_ops.layer_norm_fwd(x, weight, bias, 1e-5)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(layer_norm_ops.layer_norm_fwd, (x, weight, bias, 1e-5), test_utils=checks)
+    bwd_args = (torch.randn_like(x), x, weight, mean, rstd, weight is not None, bias is not None)
+    torch.library.opcheck(layer_norm_ops.layer_norm_bwd, bwd_args, test_utils=checks)
+
+
+def test_torch_compile_fullgraph():
+    shape = SHAPES[1]
+    x = randn(*shape, requires_grad=True)
+    weight, bias = _params(shape[-1], torch.float32)
+    # Off the GPU, aot_eager traces through the fake functions without needing a C++ toolchain.
+    compiled = torch.compile(tf.layer_norm, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    out = compiled(x, weight, bias)
+    eager_inputs = leaf_copies(x, weight, bias, dtype=torch.float32)
+    eager = tf.layer_norm(*eager_inputs)
+    assert_close(out, eager, torch.float32, "compiled output")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    eager.backward(grad_out)
+    for name, tensor, eager_tensor in zip(("x", "weight", "bias"), (x, weight, bias), eager_inputs):
+        assert_close(tensor.grad, eager_tensor.grad, torch.float32, f"compiled grad of {name}")
