@@ -41,6 +41,8 @@ def test_rope_errors():
 
 def test_gated_errors():
     _raises(ValueError, r"up must have shape \(3, 5\)", tf.swiglu, randn(3, 5), randn(3, 6))
+    same = randn(3, 5)
+    _raises(ValueError, r"inplace_backward=True needs gate and up in separate memory", tf.swiglu, same, same, inplace_backward=True)
     _raises(TypeError, r"gate has dtype torch.int32", tf.geglu, torch.ones(3, 5, dtype=torch.int32, device=DEVICE), randn(3, 5))
 
 

@@ -142,30 +142,40 @@ def rope(q, k, cos, sin, rotary_dim=None):
     return _rope.rope(q, k, cos, sin, rotary_dim)
 
 
-def _check_gated_args(gate, up):
+def _check_gated_args(gate, up, inplace_backward):
     check_tensor("gate", gate)
     check_tensor("up", up)
     check_shape("up", up, tuple(gate.shape), "the shape of gate")
     check_same_dtype(gate=gate, up=up)
     check_same_device(gate=gate, up=up)
+    if inplace_backward and gate.numel() and gate.data_ptr() == up.data_ptr():
+        raise ValueError("inplace_backward=True needs gate and up in separate memory; got the same tensor for both")
 
 
-def swiglu(gate, up):
+def swiglu(gate, up, *, inplace_backward=False):
     """``silu(gate) · up``. Backward recomputes the activation: nothing beyond the inputs is saved.
 
-    Args: gate, up: one shape ``[...]`` and dtype. Returns the same shape and dtype.
+    Args:
+        gate, up: one shape ``[...]`` and dtype.
+        inplace_backward: when True, the backward overwrites ``gate`` and ``up`` with their
+            gradients, which saves two ``[..., I]`` buffers. Only valid when nothing else uses
+            ``gate`` or ``up`` afterwards, as inside an MLP that owns them.
+    Returns the same shape and dtype.
     """
-    _check_gated_args(gate, up)
-    return _gated.swiglu(gate, up)
+    _check_gated_args(gate, up, inplace_backward)
+    return _gated.swiglu(gate, up, bool(inplace_backward))
 
 
-def geglu(gate, up):
+def geglu(gate, up, *, inplace_backward=False):
     """``gelu_tanh(gate) · up`` (GELU with the tanh approximation, as Gemma's MLP).
 
-    Args: gate, up: one shape ``[...]`` and dtype. Returns the same shape and dtype.
+    Args:
+        gate, up: one shape ``[...]`` and dtype.
+        inplace_backward: as :func:`swiglu`.
+    Returns the same shape and dtype.
     """
-    _check_gated_args(gate, up)
-    return _gated.geglu(gate, up)
+    _check_gated_args(gate, up, inplace_backward)
+    return _gated.geglu(gate, up, bool(inplace_backward))
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

@@ -68,7 +68,8 @@ class _GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **factory)
 
     def forward(self, x):
-        return self.down_proj(type(self)._gate(self.gate_proj(x), self.up_proj(x)))
+        # The projections' outputs are seen by nothing else, so their gradients may overwrite them.
+        return self.down_proj(type(self)._gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
 
 
 class SwiGLUMLP(_GatedMLP):

@@ -1,1 +1,211 @@
-"""(being written)"""
+"""Gated activations of an MLP: SwiGLU ``silu(gate) · up`` and GeGLU ``gelu_tanh(gate) · up``.
+
+Both activations have the form ``act(g) = g · σ(z(g))``:
+
+    silu:       z(g) = g
+    gelu_tanh:  z(g) = 2·√(2/π)·(g + 0.044715·g³)     since ½·(1 + tanh(u)) = σ(2u)
+
+so one derivative serves both, with ``s = σ(z(g))`` and ``σ' = s·(1 − s)``::
+
+    act'(g) = s + g·s·(1 − s)·z'(g) = s·(1 + g·(1 − s)·z'(g))
+    z'(g)   = 1  (silu),   2·√(2/π)·(1 + 3·0.044715·g²)  (gelu_tanh)
+
+For silu this is the familiar ``σ(g)·(1 + g·(1 − σ(g)))``; for gelu_tanh it equals the textbook
+``½(1 + tanh u) + ½·g·(1 − tanh² u)·u'`` because ``1 − tanh² u = 4·σ(2u)·(1 − σ(2u))``.
+
+Forward ``out = act(gate) · up``; backward, recomputing ``act`` from ``gate`` (nothing but the
+inputs is saved)::
+
+    d_up   = dout · act(gate)
+    d_gate = dout · up · act'(gate)
+
+``inplace_backward`` writes ``d_gate`` and ``d_up`` over ``gate`` and ``up`` (each element is
+read before it is overwritten, by the same program), so the backward allocates nothing.
+
+Shapes: ``gate, up [...]`` of one shape and dtype (fp32/bf16/fp16), handled as ``[rows, cols]``
+row views (any row stride, e.g. the two halves of a fused gate/up projection, read in place);
+math in fp32, one rounding on store. Bytes per call (the roofline): forward reads gate and up and
+writes out (3 tensors), backward reads gate, up, dout and writes d_gate, d_up (5 tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._launch import as_rows, tigon_op
+
+# A program's tile: 4096 elements (8 KiB of a 16-bit tensor); 512 per warp is 16 per thread,
+# i.e. two 16-byte loads of each bf16 input in flight per thread.
+ELEMENTS_PER_PROGRAM = 4096
+ELEMENTS_PER_WARP = 512
+
+_GELU_SLOPE = tl.constexpr(2 * 0.7978845608028654)  # 2·√(2/π): z = slope·(g + cubic·g³)
+_GELU_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row offsets (int64, for row strides), column offsets and mask of this program's tile; tiles
+    run along a row first, so neighbouring programs touch neighbouring memory."""
+    col_blocks = tl.cdiv(n_cols, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """``act(g)`` and ``act'(g)`` in fp32 (see the module docstring for the derivation)."""
+    if ACTIVATION == "gelu_tanh":
+        z = _GELU_SLOPE * (g + _GELU_CUBIC * g * g * g)
+        dz_dg = _GELU_SLOPE * (1.0 + 3.0 * _GELU_CUBIC * g * g)
+    else:
+        z = g
+        dz_dg = 1.0
+    s = tl.sigmoid(z)
+    return g * s, s * (1.0 + g * (1.0 - s) * dz_dg)
+
+
+@triton.jit
+def gated_fwd_kernel(
+    GATE, UP, OUT,
+    n_rows, n_cols,
+    stride_gate, stride_up, stride_out,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _activation(gate, ACTIVATION)
+    tl.store(OUT + rows * stride_out + cols, (act * up).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gated_bwd_kernel(
+    GATE, UP, DOUT, DGATE, DUP,
+    n_rows, n_cols,
+    stride_gate, stride_up, stride_dout, stride_dgate, stride_dup,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # DGATE and DUP may be GATE and UP themselves: every element is loaded before the stores
+    # that depend on it, and tiles of different programs do not overlap.
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+    act, act_grad = _activation(gate, ACTIVATION)
+    tl.store(DUP + rows * stride_dup + cols, (dout * act).to(DUP.dtype.element_ty), mask=mask)
+    tl.store(DGATE + rows * stride_dgate + cols, (dout * up * act_grad).to(DGATE.dtype.element_ty), mask=mask)
+
+
+def _launch_config(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
+    """Grid, ``BLOCK_M``, ``BLOCK_N`` and warps for tiles of ~ELEMENTS_PER_PROGRAM elements.
+
+    Short rows stack several per tile. Long rows are cut into the width (1K to 4K) that pads them
+    least, so that no program runs half empty: 14336 = 7 × 2048, where 4096 would pad by 1/8.
+    """
+    widest = min(triton.next_power_of_2(max(n_cols, 1)), ELEMENTS_PER_PROGRAM)
+    widths = [width for width in (widest, widest // 2, widest // 4) if width >= min(widest, 1024)]
+    block_n = min(widths, key=lambda width: triton.cdiv(n_cols, width) * width)
+    block_m = min(ELEMENTS_PER_PROGRAM // block_n, triton.next_power_of_2(max(n_rows, 1)))
+    num_warps = max(1, min(8, block_m * block_n // ELEMENTS_PER_WARP))
+    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    return grid, block_m, block_n, num_warps
+
+
+def _gated_fwd_fake(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@tigon_op("gated_fwd", fake=_gated_fwd_fake)
+def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``gate, up [N, I]`` row views (unit column stride) → ``act(gate) · up [N, I]``, contiguous."""
+    n_rows, n_cols = gate.shape
+    out = gate.new_empty((n_rows, n_cols))
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    gated_fwd_kernel[grid](
+        gate, up, out,
+        n_rows, n_cols,
+        gate.stride(0), up.stride(0), out.stride(0),
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out
+
+
+def _launch_bwd(dout, gate, up, d_gate, d_up, activation):
+    n_rows, n_cols = gate.shape
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    gated_bwd_kernel[grid](
+        gate, up, dout, d_gate, d_up,
+        n_rows, n_cols,
+        gate.stride(0), up.stride(0), dout.stride(0), d_gate.stride(0), d_up.stride(0),
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+
+
+def _gated_bwd_fake(dout, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+@tigon_op("gated_bwd", fake=_gated_bwd_fake)
+def gated_bwd(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dout, gate, up [N, I]`` row views → ``(d_gate, d_up)``, new contiguous ``[N, I]``."""
+    d_gate, d_up = gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+    _launch_bwd(dout, gate, up, d_gate, d_up, activation)
+    return d_gate, d_up
+
+
+@tigon_op("gated_bwd_inplace", mutates_args=("gate", "up"))
+def gated_bwd_inplace(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """As :func:`gated_bwd`, but ``d_gate`` overwrites ``gate`` and ``d_up`` overwrites ``up``."""
+    _launch_bwd(dout, gate, up, gate, up, activation)
+
+
+class GatedFunction(torch.autograd.Function):
+    """Saves ``gate`` and ``up`` as ``[rows, cols]`` views; ``act(gate)`` is recomputed in backward.
+
+    The row views are taken here rather than in the launchers so that the in-place backward
+    writes into the very tensors it returns as gradients (``as_rows`` copies only layouts that
+    have no row view, and then the copy is private to this function).
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, activation, inplace_backward):
+        gate_rows, up_rows = as_rows(gate), as_rows(up)
+        out = gated_fwd(gate_rows, up_rows, activation)
+        ctx.save_for_backward(gate_rows, up_rows)
+        ctx.activation = activation
+        ctx.inplace_backward = inplace_backward
+        return out.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate_rows, up_rows = ctx.saved_tensors
+        dout_rows = as_rows(dout)
+        if ctx.inplace_backward:
+            gated_bwd_inplace(dout_rows, gate_rows, up_rows, ctx.activation)
+            d_gate, d_up = gate_rows, up_rows
+        else:
+            d_gate, d_up = gated_bwd(dout_rows, gate_rows, up_rows, ctx.activation)
+        return (
+            d_gate.view(dout.shape) if ctx.needs_input_grad[0] else None,
+            d_up.view(dout.shape) if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+        )
+
+
+def swiglu(gate, up, inplace_backward):
+    """``silu(gate) · up`` for ``gate, up [...]``; inputs validated by :mod:`tigon.functional`."""
+    return GatedFunction.apply(gate, up, "silu", inplace_backward)
+
+
+def geglu(gate, up, inplace_backward):
+    """``gelu_tanh(gate) · up`` for ``gate, up [...]``; inputs validated by :mod:`tigon.functional`."""
+    return GatedFunction.apply(gate, up, "gelu_tanh", inplace_backward)

@@ -1,0 +1,153 @@
+import pytest
+import torch
+
+import reference
+import tigon.functional as tf
+import tigon.nn as tnn
+from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
+
+SHAPES = pick(
+    cpu=[(7, 33), (3, 5, 128), (300, 40), (9, 2500)],
+    gpu=[(4096, 14336), (2, 1000, 11008), (257, 5000), (8192, 24)],
+)
+GATES = {"swiglu": (tf.swiglu, reference.swiglu), "geglu": (tf.geglu, reference.geglu)}
+MLPS = {"swiglu": (tnn.SwiGLUMLP, reference.swiglu), "geglu": (tnn.GeGLUMLP, reference.geglu)}
+
+
+def _transposed(shape, dtype):
+    """A tensor of ``shape`` whose dimensions are all reversed in memory (no row view exists)."""
+    reversed_dims = list(range(len(shape)))[::-1]
+    return randn(*shape[::-1], dtype=dtype).permute(reversed_dims)
+
+
+def _inputs(shape, dtype, layout):
+    """``gate, up`` leaves requiring grad, laid out as ``layout``."""
+    if layout == "fused_halves":
+        # The two halves of one fused gate/up projection [..., 2I]: rows are read in place.
+        fused = randn(*shape[:-1], 2 * shape[-1], dtype=dtype)
+        gate, up = fused.split(shape[-1], dim=-1)
+    elif layout == "transposed":
+        gate, up = _transposed(shape, dtype), _transposed(shape, dtype)
+    else:
+        gate, up = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    return gate.requires_grad_(), up.requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "fused_halves", "transposed"])
+@pytest.mark.parametrize("gate_name", GATES)
+def test_gated(gate_name, shape, dtype, layout):
+    op, truth_op = GATES[gate_name]
+    gate, up = _inputs(shape, dtype, layout)
+    gate64, up64 = leaf_copies(gate, up)
+    out = op(gate, up)
+    truth = truth_op(gate64, up64)
+    assert out.dtype == dtype and out.shape == gate.shape
+    assert_close(out, truth, dtype, "output")
+
+    dout = _transposed(shape, dtype) if layout == "transposed" else randn(*shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    assert_close(gate.grad, gate64.grad, dtype, "grad of gate")
+    assert_close(up.grad, up64.grad, dtype, "grad of up")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "fused_halves"])
+@pytest.mark.parametrize("gate_name", GATES)
+def test_inplace_backward_reuses_inputs(gate_name, layout):
+    op = GATES[gate_name][0]
+    shape, dtype = SHAPES[1], torch.bfloat16
+    gate, up = _inputs(shape, dtype, layout)
+    dout = randn(*shape, dtype=dtype)
+    expected = torch.autograd.grad(op(gate, up), (gate, up), dout)
+    gate_ptr, up_ptr = gate.data_ptr(), up.data_ptr()
+
+    d_gate, d_up = torch.autograd.grad(op(gate, up, inplace_backward=True), (gate, up), dout)
+    assert d_gate.data_ptr() == gate_ptr and d_up.data_ptr() == up_ptr
+    assert torch.equal(d_gate, expected[0]) and torch.equal(d_up, expected[1])
+
+
+def test_inplace_backward_cannot_run_twice():
+    gate, up = _inputs(SHAPES[0], torch.float32, "contiguous")
+    out = tf.swiglu(gate, up, inplace_backward=True)
+    out.sum().backward(retain_graph=True)
+    # gate and up now hold gradients: autograd's version counter refuses to reuse them.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 7), (17,)])
+def test_degenerate_shapes(shape):
+    gate, up = _inputs(shape, torch.float32, "contiguous")
+    gate64, up64 = leaf_copies(gate, up)
+    out, truth = tf.swiglu(gate, up), reference.swiglu(gate64, up64)
+    assert_close(out, truth, torch.float32, "output")
+    out.backward(torch.ones_like(out))
+    truth.backward(torch.ones_like(truth))
+    assert_close(gate.grad, gate64.grad, torch.float32, "grad of gate")
+    assert_close(up.grad, up64.grad, torch.float32, "grad of up")
+
+
+def test_only_requested_gradients():
+    gate, up = _inputs(SHAPES[0], torch.float32, "contiguous")
+    up.requires_grad_(False)
+    tf.geglu(gate, up).sum().backward()
+    assert gate.grad is not None and up.grad is None
+
+
+# The interpreter does the kernel's math in numpy, which warns about the -inf·0 below.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("gate_name", GATES)
+def test_non_finite_inputs_propagate(gate_name):
+    op, truth_op = GATES[gate_name]
+    gate, up = randn(4, 64), randn(4, 64)
+    gate[0, 3], gate[1, 7], gate[2, 9], up[3, 1] = float("nan"), float("inf"), -float("inf"), float("nan")
+    out = op(gate, up)
+    # Non-finite entries must match the reference exactly (silu(-inf) = -inf·0 is NaN in both).
+    assert_close(out, truth_op(gate.double(), up.double()), torch.float32, "output")
+    assert out[0, 3].isnan() and out[1, 7].isinf() and out[2, 9].isnan() and out[3, 1].isnan()
+    assert out.isfinite().sum() == out.numel() - 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mlp_name", MLPS)
+def test_mlp_matches_plain_pytorch(mlp_name, dtype):
+    mlp_class, truth_gate = MLPS[mlp_name]
+    hidden, intermediate = pick(cpu=(48, 72), gpu=(1024, 2816))
+    mlp = mlp_class(hidden, intermediate, device=DEVICE, dtype=dtype)
+    assert set(mlp.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    truth_mlp = mlp_class(hidden, intermediate, device=DEVICE, dtype=torch.float64)
+    truth_mlp.load_state_dict(mlp.state_dict())
+
+    x = randn(2, pick(cpu=5, gpu=512), hidden, dtype=dtype, requires_grad=True)
+    (x64,) = leaf_copies(x)
+    out = mlp(x)
+    truth = truth_mlp.down_proj(truth_gate(truth_mlp.gate_proj(x64), truth_mlp.up_proj(x64)))
+    # Three matmuls each round to the dtype around the gate's own single rounding.
+    factor = 2.0
+    assert_close(out, truth, dtype, "output", factor)
+    dout = randn(*out.shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    assert_close(x.grad, x64.grad, dtype, "grad of x", factor)
+    for name, param in mlp.named_parameters():
+        assert_close(param.grad, truth_mlp.get_parameter(name).grad, dtype, f"grad of {name}", factor)
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_compiles_without_graph_breaks(inplace_backward):
+    gate, up = _inputs(SHAPES[1], torch.float32, "contiguous")
+    gate64, up64 = leaf_copies(gate, up)
+
+    @torch.compile(fullgraph=True)
+    def mlp_tail(gate, up):
+        return tf.swiglu(gate * 2.0, up + 1.0, inplace_backward=inplace_backward).square()
+
+    out = mlp_tail(gate, up)
+    truth = reference.swiglu(gate64 * 2.0, up64 + 1.0).square()
+    assert_close(out, truth, torch.float32, "output")
+    out.sum().backward()
+    truth.sum().backward()
+    assert_close(gate.grad, gate64.grad, torch.float32, "grad of gate")
+    assert_close(up.grad, up64.grad, torch.float32, "grad of up")
