@@ -148,7 +148,7 @@ def _check_gated_args(gate, up, inplace_backward):
     check_shape("up", up, tuple(gate.shape), "the shape of gate")
     check_same_dtype(gate=gate, up=up)
     check_same_device(gate=gate, up=up)
-    if inplace_backward and gate.numel() and gate.data_ptr() == up.data_ptr():
+    if inplace_backward and gate is up:
         raise ValueError("inplace_backward=True needs gate and up in separate memory; got the same tensor for both")
 
 

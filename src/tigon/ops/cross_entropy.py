@@ -1,1 +1,367 @@
-"""(being written)"""
+"""Softmax cross entropy whose gradient is computed during the forward pass.
+
+Per row of logits ``x [V]`` with target ``t`` (fp32 math whatever the storage dtype)::
+
+    z     = softcap · tanh(x / softcap)      (z = x without a softcap)
+    lse   = log Σ_j exp(z_j)
+    loss  = (1 − ε)·(lse − z_t) + ε·(lse − mean_j z_j) + s·lse²
+
+with ``ε = label_smoothing`` (PyTorch's smoothing: ε spread uniformly over the V classes) and
+``s = lse_square_scale`` (the z-loss, which keeps ``lse`` near 0). Rows whose target is
+``ignore_index`` have zero loss and a zero gradient row. ``"mean"`` divides by the number of the
+other rows, ``n_valid``, and returns 0 (with a zero gradient) when there are none, where PyTorch
+returns NaN: a batch made only of prompt tokens then trains nothing instead of poisoning the step.
+
+The gradient with respect to ``z``, with ``p = softmax(z)``::
+
+    dloss/dz_j = p_j − (1 − ε)·[j = t] − ε/V + 2·s·lse·p_j
+
+``p_j`` is d lse/dz_j, so the first term comes from every ``lse`` in the loss except the z-loss,
+which contributes ``2·s·lse·p_j`` by the chain rule; ``−(1 − ε)·[j = t]`` and ``−ε/V`` are the
+derivatives of ``−(1 − ε)·z_t`` and ``−ε·mean(z)``. With a softcap the chain rule through tanh
+multiplies by ``dz/dx = 1 − tanh² = 1 − (z / softcap)²``.
+
+One kernel computes the loss and that gradient, already multiplied by the reduction's factor
+(``1 / n_valid`` for ``"mean"``), in two passes over each row: an online max / sum-exp pass, then
+a pass that re-reads the row and writes the gradient, either into a fresh tensor or over the
+logits themselves (``inplace_backward``). The backward pass only multiplies that stored gradient
+by the incoming ``grad_output``, in place, and skips rows where ``grad_output`` is exactly 1
+(``loss.backward()`` on a mean or sum), so the usual step touches the ``[N, V]`` logits three
+times in all: read, read again (often from L2), write.
+
+Shapes: ``logits [..., V]`` fp32/bf16/fp16 with any row stride (V up to 262144, ``N·V`` beyond
+2³¹), ``target [...]`` int64/int32. The loss and z-loss are fp32. The gradient has the logits'
+dtype, so with fp16 logits entries below fp16's smallest subnormal (about 6e-8, reachable as
+``p / n_valid`` for large batches) flush to zero before ``grad_output`` scales them.
+Bytes per call (the roofline): 3·N·V elements (two reads and one write) plus one more read and
+write in backward only when ``grad_output`` is not 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, tigon_op
+
+# A vocabulary row is processed in blocks of at most this many elements (16 KiB of bf16): enough
+# loads in flight per program, few enough registers that two programs share a multiprocessor.
+MAX_BLOCK_V = 8192
+# Programs resident per multiprocessor in the persistent grid. Fewer programs keep the rows being
+# worked on small enough for the second read of each row to hit L2; more hide memory latency.
+PROGRAMS_PER_SM = 2
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        # tanh(u) = 2·sigmoid(2u) − 1: portable (no libdevice), exact at ±inf, and its absolute
+        # error (~1e-7) is far below what the caller's rounding to bf16/fp16 or fp32 tolerates.
+        x = softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
+    return x
+
+
+@triton.jit
+def cross_entropy_fwd_kernel(
+    LOGITS, TARGET, GRAD, GRAD_SCALE, LOSS, Z_LOSS,
+    n_rows, n_cols,
+    stride_logits, stride_grad, stride_grad_scale,
+    ignore_index, label_smoothing, lse_square_scale, softcap,
+    HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Persistent grid: program p handles rows p, p + P, ...; each row is read in blocks of BLOCK_V.
+    # GRAD may be LOGITS itself: every block is read before the same block is written.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(n_cols, BLOCK_V)
+
+    for row in range(pid, n_rows, n_programs):
+        logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
+        target = tl.load(TARGET + row)
+
+        if target == ignore_index:
+            tl.store(LOSS + row, 0.0)
+            if STORE_Z_LOSS:
+                tl.store(Z_LOSS + row, 0.0)
+            if COMPUTE_GRAD:
+                grad_row = GRAD + tl.cast(row, tl.int64) * stride_grad
+                for start in range(0, n_cols, BLOCK_V):
+                    offs = start + cols
+                    tl.store(grad_row + offs, tl.zeros((BLOCK_V,), GRAD.dtype.element_ty), mask=offs < n_cols)
+        else:
+            # Pass 1: online log-sum-exp. sum_exp = Σ exp(z − shift) is rescaled whenever the
+            # running max grows; shift is the running max, or 0 while every z seen is −inf, so
+            # that no (−inf) − (−inf) appears.
+            running_max = tl.full((), float("-inf"), tl.float32)
+            sum_exp = tl.zeros((), tl.float32)
+            sum_z = tl.zeros((), tl.float32)
+            for start in range(0, n_cols, BLOCK_V):
+                offs = start + cols
+                mask = offs < n_cols
+                x = tl.load(logits_row + offs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
+                z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+                if HAS_SOFTCAP:
+                    z = tl.where(mask, z, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(z, axis=0))
+                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                sum_exp = sum_exp * tl.exp2((running_max - new_shift) * LOG2E) + tl.sum(
+                    tl.exp2((z - new_shift) * LOG2E), axis=0
+                )
+                running_max = new_max
+                if HAS_SMOOTHING:
+                    sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            shift = tl.where(running_max == float("-inf"), 0.0, running_max)
+            lse = shift + tl.log(sum_exp)
+
+            z_target = _softcapped(tl.load(logits_row + target).to(tl.float32), softcap, HAS_SOFTCAP)
+            z_loss = lse_square_scale * lse * lse
+            loss = lse - (1.0 - label_smoothing) * z_target + z_loss
+            if HAS_SMOOTHING:
+                loss -= label_smoothing * sum_z / n_cols
+            tl.store(LOSS + row, loss)
+            if STORE_Z_LOSS:
+                tl.store(Z_LOSS + row, z_loss)
+
+            if COMPUTE_GRAD:
+                # Pass 2: dloss/dz = p·(1 + 2·s·lse) − ε/V − (1 − ε)·[j = t], times the
+                # reduction's factor. The row is walked backwards: the blocks pass 1 read last
+                # are the likeliest to still be in L2.
+                if HAS_GRAD_SCALE:
+                    grad_scale = tl.load(GRAD_SCALE + row * stride_grad_scale)
+                else:
+                    grad_scale = 1.0
+                prob_scale = grad_scale * (1.0 + 2.0 * lse_square_scale * lse)
+                smoothing_grad = grad_scale * label_smoothing / n_cols
+                target_grad = grad_scale * (1.0 - label_smoothing)
+                grad_row = GRAD + tl.cast(row, tl.int64) * stride_grad
+                for block in range(0, n_blocks):
+                    offs = (n_blocks - 1 - block) * BLOCK_V + cols
+                    mask = offs < n_cols
+                    x = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+                    z = _softcapped(x.to(tl.float32), softcap, HAS_SOFTCAP)
+                    prob = tl.exp2((z - lse) * LOG2E)
+                    grad = prob * prob_scale - smoothing_grad
+                    grad = tl.where(offs == target, grad - target_grad, grad)
+                    if HAS_SOFTCAP:
+                        tanh = z / softcap
+                        grad = grad * (1.0 - tanh * tanh)
+                    tl.store(grad_row + offs, grad.to(GRAD.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cross_entropy_bwd_kernel(
+    GRAD, GRAD_OUTPUT,
+    n_rows, n_cols,
+    stride_grad, stride_grad_output,
+    BLOCK_V: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_V)
+    for row in range(pid, n_rows, n_programs):
+        grad_output = tl.load(GRAD_OUTPUT + row * stride_grad_output).to(tl.float32)
+        # loss.backward() sends exactly 1: the stored gradient is then already final, and the
+        # common step skips a read and a write of the whole [N, V] gradient.
+        if grad_output != 1.0:
+            grad_row = GRAD + tl.cast(row, tl.int64) * stride_grad
+            for start in range(0, n_cols, BLOCK_V):
+                offs = start + cols
+                mask = offs < n_cols
+                grad = tl.load(grad_row + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(grad_row + offs, (grad * grad_output).to(GRAD.dtype.element_ty), mask=mask)
+
+
+def _launch_geometry(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_V, num_warps, n_programs)`` for the row-looping kernels of this family."""
+    block_v, num_warps = row_launch_config(min(n_cols, MAX_BLOCK_V), element_size)
+    n_programs = max(1, min(n_rows, num_programs_for(device, PROGRAMS_PER_SM)))
+    return block_v, num_warps, n_programs
+
+
+def launch_cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, grad: torch.Tensor | None, grad_scale: torch.Tensor | None,
+    loss: torch.Tensor, z_loss: torch.Tensor | None,
+    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+) -> None:
+    """Write the per-row loss and, when ``grad`` is given, the gradient of the loss.
+
+    Args:
+        logits: ``[N, V]`` with unit column stride, any row stride.
+        target: ``[N]`` int64/int32, already checked to lie in ``[0, V)`` or equal ``ignore_index``.
+        grad: ``[N, V]`` in the logits' dtype with unit column stride (it may be ``logits``
+            itself), or ``None`` for the loss only.
+        grad_scale: fp32 factor of the gradient, ``[1]`` for every row or ``[N]`` per row, or
+            ``None`` for 1.
+        loss, z_loss: ``[N]`` fp32 outputs; ``z_loss`` (``s·lse²``, included in ``loss``) may be
+            ``None``.
+    """
+    n_rows, n_cols = logits.shape
+    block_v, num_warps, n_programs = _launch_geometry(n_rows, n_cols, logits.element_size(), logits.device)
+    cross_entropy_fwd_kernel[(n_programs,)](
+        logits, target, grad, grad_scale, loss, z_loss,
+        n_rows, n_cols,
+        logits.stride(0), 0 if grad is None else grad.stride(0),
+        0 if grad_scale is None or grad_scale.numel() == 1 else grad_scale.stride(0),
+        ignore_index, label_smoothing, lse_square_scale, 1.0 if softcap is None else softcap,
+        HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap is not None, STORE_Z_LOSS=z_loss is not None,
+        COMPUTE_GRAD=grad is not None, HAS_GRAD_SCALE=grad_scale is not None,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )
+
+
+def valid_target_count(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """Number of targets other than ``ignore_index``, as an int64 device scalar.
+
+    Raises ``ValueError`` for a target outside ``[0, n_classes)``: a kernel would otherwise read
+    outside the row. Finding one needs the values on the host, so this is the one host sync of a
+    call; it lives in the op (not in :mod:`tigon.functional`) so that it also runs under
+    ``torch.compile``, and a single ``aminmax`` over the valid targets decides it.
+    """
+    valid = target != ignore_index
+    if target.numel() > 0:
+        lowest, highest = torch.stack(torch.where(valid, target, 0).aminmax()).tolist()
+        bad = lowest if lowest < 0 else highest if highest >= n_classes else None
+        if bad is not None:
+            raise ValueError(
+                f"target contains {bad}, outside [0, {n_classes}) (V = {n_classes} classes) "
+                f"and not ignore_index = {ignore_index}"
+            )
+    return valid.sum()
+
+
+def mean_grad_scale(n_valid: torch.Tensor) -> torch.Tensor:
+    """``[1]`` fp32 device tensor ``1 / max(n_valid, 1)``: the factor of ``"mean"`` (no sync)."""
+    return n_valid.clamp(min=1).reciprocal().to(torch.float32).reshape(1)
+
+
+def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: torch.Tensor) -> torch.Tensor:
+    """``[N]`` fp32 per-row values → the reduced scalar (or ``[N]`` for ``"none"``)."""
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    return total / n_valid.clamp(min=1) if reduction == "mean" else total
+
+
+def _loss_outputs_fake(n_rows: int, reduction: str, return_z_loss: bool, like: torch.Tensor):
+    shape = (n_rows,) if reduction == "none" else ()
+    loss = like.new_empty(shape, dtype=torch.float32)
+    return loss, like.new_empty(shape if return_z_loss else (0,), dtype=torch.float32)
+
+
+def _cross_entropy_into(
+    logits2d, target, grad, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
+):
+    """Check the targets, launch the kernel (gradient into ``grad`` unless ``None``), reduce."""
+    target = target.reshape(-1)
+    n_rows = target.numel()
+    n_valid = valid_target_count(target, logits2d.shape[1], ignore_index)
+    grad_scale = mean_grad_scale(n_valid) if reduction == "mean" and grad is not None else None
+    loss = logits2d.new_empty(n_rows, dtype=torch.float32)
+    z_loss = torch.empty_like(loss) if return_z_loss else None
+    launch_cross_entropy_fwd(
+        logits2d, target, grad, grad_scale, loss, z_loss, ignore_index, label_smoothing, lse_square_scale, softcap,
+    )
+    loss = reduce_rows(loss, reduction, n_valid)
+    return loss, reduce_rows(z_loss, reduction, n_valid) if return_z_loss else loss.new_empty(0)
+
+
+def _fwd_fake(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
+              compute_grad):
+    n_rows = target.numel()
+    grad = logits.new_empty((n_rows, logits.shape[-1]) if compute_grad else (0,))
+    return *_loss_outputs_fake(n_rows, reduction, return_z_loss, logits), grad
+
+
+@tigon_op("cross_entropy_fwd", fake=_fwd_fake)
+def cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+    lse_square_scale: float, softcap: float | None, return_z_loss: bool, compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits [..., V]``, ``target [...]`` → ``loss`` (fp32 scalar, or ``[N]`` for ``"none"``),
+    ``z_loss`` (same shape; empty unless ``return_z_loss``) and the gradient ``[N, V]`` in a fresh
+    contiguous tensor (empty unless ``compute_grad``)."""
+    logits2d = as_rows(logits)
+    grad = torch.empty(logits2d.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
+    loss, z_loss = _cross_entropy_into(
+        logits2d, target, grad, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
+    )
+    return loss, z_loss, grad if compute_grad else logits.new_empty(0)
+
+
+def _fwd_inplace_fake(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                      return_z_loss):
+    return _loss_outputs_fake(target.numel(), reduction, return_z_loss, logits)
+
+
+@tigon_op("cross_entropy_fwd_inplace", mutates_args=("logits",), fake=_fwd_inplace_fake)
+def cross_entropy_fwd_inplace(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
+    lse_square_scale: float, softcap: float | None, return_z_loss: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`cross_entropy_fwd`, but the gradient overwrites ``logits [N, V]`` (unit column
+    stride, any row stride), which therefore costs no extra memory."""
+    return _cross_entropy_into(
+        logits, target, logits, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
+    )
+
+
+@tigon_op("cross_entropy_bwd", mutates_args=("grad",))
+def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """``grad [R, C] *= grad_output`` in place, with ``grad_output`` fp32 ``[1]`` (every row) or
+    ``[R]`` (per row); rows whose factor is exactly 1 are not touched."""
+    n_rows, n_cols = grad.shape
+    block_v, num_warps, n_programs = _launch_geometry(n_rows, n_cols, grad.element_size(), grad.device)
+    cross_entropy_bwd_kernel[(n_programs,)](
+        grad, grad_output,
+        n_rows, n_cols,
+        grad.stride(0), 0 if grad_output.numel() == 1 else grad_output.stride(0),
+        BLOCK_V=block_v, num_warps=num_warps,
+    )
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Saves only the gradient computed by the forward pass (or nothing when no gradient is
+    needed); backward scales it by ``grad_output`` in place, so it runs once per forward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                return_z_loss, inplace_backward):
+        options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss)
+        compute_grad = ctx.needs_input_grad[0]
+        if compute_grad and inplace_backward:
+            # A view of the caller's logits when one exists; otherwise the contiguous copy is
+            # the buffer that receives the gradient.
+            grad = as_rows(logits)
+            loss, z_loss = cross_entropy_fwd_inplace(grad, target, *options)
+        else:
+            loss, z_loss, grad = cross_entropy_fwd(logits, target, *options, compute_grad)
+        if reduction == "none":
+            loss = loss.view(target.shape)
+            z_loss = z_loss.view(target.shape) if return_z_loss else z_loss
+        ctx.save_for_backward(grad)
+        ctx.logits_shape = logits.shape
+        ctx.mark_non_differentiable(z_loss)
+        return loss, z_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss):
+        (grad,) = ctx.saved_tensors
+        cross_entropy_bwd(grad, grad_loss.reshape(-1))
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None
+
+
+def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+                  return_z_loss, inplace_backward):
+    """``logits [..., V]``, ``target [...]`` → the fp32 loss (and z-loss); inputs validated by
+    :mod:`tigon.functional`."""
+    loss, z_loss = CrossEntropyFunction.apply(
+        logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
+        return_z_loss, inplace_backward,
+    )
+    return (loss, z_loss) if return_z_loss else loss
