@@ -1,0 +1,158 @@
+"""End to end: a 4-layer Llama-3-8B-shaped model trained with Hugging Face, + Liger-Kernel, + tigon.
+
+Shapes as ../shared/anchors.md: hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256,
+bf16 weights, AdamW, gradient checkpointing, SDPA attention, batch 4 × 4096 tokens. Each setup
+runs in its own process (patching is global, and peak memory must start from nothing); each
+reports tokens/s over the timed steps, the peak memory of a training step, and the longest
+sequence that trains at batch 1 (searched in steps of 4096 tokens).
+
+    python benchmarks/e2e_llama.py [--setups hf liger tigon] [--steps 6] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SETUPS = ("hf", "liger", "tigon")
+LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
+
+
+def build_model(setup: str, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if setup == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+    elif setup == "tigon":
+        from tigon.transformers import apply_tigon_to_llama
+
+        apply_tigon_to_llama()
+    config = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def train_step(model, optimizer, batch: int, seq_len: int, generator) -> float:
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def run_setup(setup: str, layers: int, batch: int, seq_len: int, steps: int, max_search: int) -> dict:
+    model = build_model(setup, layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    losses = [train_step(model, optimizer, batch, seq_len, generator) for _ in range(2)]  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    losses += [train_step(model, optimizer, batch, seq_len, generator) for _ in range(steps)]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    result = {
+        "setup": setup, "label": LABELS[setup], "layers": layers, "batch": batch, "seq_len": seq_len,
+        "steps": steps, "tokens_per_second": batch * seq_len * steps / seconds,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses,
+    }
+    longest = 0
+    for trial in range(8192, max_search + 1, 4096):
+        try:
+            train_step(model, optimizer, 1, trial, generator)
+            longest = trial
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    result["longest_seq_len_batch1"] = longest
+    return result
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["label"].replace("Hugging Face", "HF") for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, title in zip(
+        axes, ("tokens_per_second", "peak_memory_gib", "longest_seq_len_batch1"),
+        ("tokens/s (batch 4 × 4096)", "peak memory (GiB)", "longest sequence at batch 1"),
+    ):
+        ax.bar(labels, [r[key] for r in results], color=["tab:gray", "tab:blue", "tab:orange"][: len(results)])
+        ax.set_title(title)
+        for i, r in enumerate(results):
+            ax.annotate(f"{r[key]:,.0f}" if r[key] > 100 else f"{r[key]:.1f}", (i, r[key]), ha="center", va="bottom")
+    fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, AdamW, gradient checkpointing — {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--max-search", type=int, default=65536)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_setup(args.child, args.layers, args.batch, args.seq_len, args.steps, args.max_search)
+        print("RESULT " + json.dumps(result))
+        return 0
+
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    out = args.out or Path(__file__).parent / "results" / gpu
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for setup in args.setups:
+        command = [sys.executable, __file__, "--child", setup, "--layers", str(args.layers), "--batch", str(args.batch),
+                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--max-search", str(args.max_search)]
+        completed = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+        if completed.returncode or not lines:
+            print(f"{setup}: failed (exit {completed.returncode})\n{completed.stderr[-3000:]}")
+            continue
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    if not results:
+        return 1
+    base = next((r for r in results if r["setup"] == "hf"), results[0])
+    print(f"{'setup':<30}{'tokens/s':>10}{'speed-up':>10}{'peak GiB':>10}{'memory':>9}{'longest T @ B=1':>17}")
+    for r in results:
+        r["speedup_vs_hf"] = r["tokens_per_second"] / base["tokens_per_second"]
+        r["memory_vs_hf"] = r["peak_memory_gib"] / base["peak_memory_gib"]
+        print(f"{r['label']:<30}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
+              f"{r['memory_vs_hf']:>9.0%}{r['longest_seq_len_batch1']:>17,}")
+    (out / "e2e_llama.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "e2e_llama.png")
+    print(f"wrote {out / 'e2e_llama.json'} and {out / 'e2e_llama.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
