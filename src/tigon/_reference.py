@@ -7,6 +7,7 @@ The references are the truth for tests, ``tigon check`` and the ``torch`` provid
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -14,6 +15,9 @@ REFERENCE_PATH = Path(__file__).resolve().parents[2] / "tests" / "reference.py"
 
 
 def load_reference() -> ModuleType:
+    """The module, registered in ``sys.modules`` (torch.compile looks functions' modules up there)."""
+    if "tigon_reference" in sys.modules:
+        return sys.modules["tigon_reference"]
     if not REFERENCE_PATH.is_file():
         raise RuntimeError(
             f"the references were not found at {REFERENCE_PATH}: run this command from a source checkout "
@@ -21,5 +25,6 @@ def load_reference() -> ModuleType:
         )
     spec = importlib.util.spec_from_file_location("tigon_reference", REFERENCE_PATH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["tigon_reference"] = module
     spec.loader.exec_module(module)
     return module

@@ -6,27 +6,40 @@ import argparse
 import sys
 
 
+def _check(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="tigon check", description="Every op once against its fp64 reference.").parse_args(argv)
+    from tigon.check import main
+
+    return main()
+
+
+def _bench(argv: list[str]) -> int:
+    from tigon.bench import main
+
+    return main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from tigon.demo import main
+
+    return main(argv)
+
+
+COMMANDS = {
+    "check": (_check, "every op against its reference (environment, max errors, time)"),
+    "bench": (_bench, "benchmarks against PyTorch, torch.compile and the peers"),
+    "demo": (_demo, "train a small Llama plain and patched by tigon; compare losses, speed, memory"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][0](argv[1:])
     parser = argparse.ArgumentParser(prog="tigon", description="tigon: Triton kernels for LLM training")
-    parser.add_argument(
-        "command", choices=["check", "bench", "demo"],
-        help="check: every op against its reference; bench: benchmarks; demo: train a small Llama plain and patched",
-    )
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "check":
-        if rest:
-            parser.error(f"check takes no arguments, got {' '.join(rest)}")
-        from tigon.check import main as check_main
-
-        return check_main()
-    if args.command == "demo":
-        from tigon.demo import main as demo_main
-
-        return demo_main(rest)
-    from tigon.bench import main as bench_main
-
-    return bench_main(rest)
+    parser.add_argument("command", choices=list(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    parser.parse_args(argv)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+import sys
+
+from tigon.bench import main
+
+sys.exit(main())

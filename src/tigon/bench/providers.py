@@ -1,0 +1,138 @@
+"""Providers: who computes each op. A provider loads into a table ``{op: fn}`` where
+``fn(case.args)`` returns the op's outputs (ops it does not support are absent).
+
+Peers are optional: one that cannot be imported, or cannot run on this device, is reported once
+and skipped. Each provider is called as its users would call it by default (Liger's norms write
+``dx`` into ``dy``, tigon's cross entropy writes the gradient into the logits, as its module does).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tigon._reference import load_reference
+from tigon.bench.specs import OPS
+
+OpTable = dict[str, Callable[[dict[str, Any]], Any]]
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    load: Callable[[], OpTable]  # imports the implementation; raises ImportError/RuntimeError saying why not
+    distribution: str | None = None  # the pip package, for the install hint and the recorded version
+    needs_gpu: bool = False
+    # Ops whose gradients are written during forward, so backward cannot be re-run on a retained
+    # graph: their backward time is reported as full − forward.
+    grads_in_forward: frozenset[str] = frozenset()
+    in_smoke_run: bool = True  # included by default when there is no GPU to time on
+
+    def version(self) -> str | None:
+        if self.distribution is None:
+            return None
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+
+def _standard_table(module) -> OpTable:
+    """Every op called through ``module``'s functions (tigon.functional or the references)."""
+    return {name: functools.partial(spec.call, module) for name, spec in OPS.items()}
+
+
+def _tigon() -> OpTable:
+    import tigon.functional as tf
+
+    table = _standard_table(tf)
+    table["cross_entropy"] = lambda a: tf.cross_entropy(a["logits"], a["target"], inplace_backward=True)
+    return table
+
+
+def _torch() -> OpTable:
+    return _standard_table(load_reference())
+
+
+def _torch_compile() -> OpTable:
+    reference = load_reference()
+    # Static shapes: each swept size is compiled once, on its first (warm-up) call. Dynamo's
+    # default limit of 8 recompilations per function would otherwise cap a longer sweep.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return {
+        name: functools.partial(torch.compile(spec.call, dynamic=False), reference)
+        for name, spec in OPS.items()
+    }
+
+
+def _liger() -> OpTable:
+    from liger_kernel.transformers import functional as lf
+
+    return {
+        "rms_norm": lambda a: lf.liger_rms_norm(a["x"], a["weight"], 1e-6),
+        "fused_add_rms_norm": lambda a: lf.liger_fused_add_rms_norm(a["x"], a["residual"], a["weight"], 1e-6),
+        "layer_norm": lambda a: lf.liger_layer_norm(a["x"], a["weight"], a["bias"], 1e-5),
+        "rope": lambda a: lf.liger_rope(a["q"], a["k"], a["cos"], a["sin"]),
+        "swiglu": lambda a: lf.liger_swiglu(a["gate"], a["up"]),
+        "geglu": lambda a: lf.liger_geglu(a["gate"], a["up"]),
+        "cross_entropy": lambda a: lf.liger_cross_entropy(a["logits"], a["target"]),
+        "fused_linear_cross_entropy": lambda a: lf.liger_fused_linear_cross_entropy(
+            a["input"], a["weight"], a["target"]
+        ),
+    }
+
+
+def _cut_cross_entropy() -> OpTable:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return {"fused_linear_cross_entropy": lambda a: linear_cross_entropy(a["input"], a["weight"], a["target"])}
+
+
+def _quack() -> OpTable:
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise RuntimeError("Quack's CuTe DSL kernels need a Hopper (sm_90) or newer GPU")
+    import quack
+
+    return {
+        "rms_norm": lambda a: quack.rmsnorm(a["x"], a["weight"], eps=1e-6),
+        "cross_entropy": lambda a: quack.cross_entropy(a["logits"], a["target"]),
+    }
+
+
+PROVIDERS: dict[str, Provider] = {
+    provider.name: provider
+    for provider in (
+        Provider("tigon", _tigon, grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy"})),
+        Provider("torch", _torch),
+        Provider("torch.compile", _torch_compile, in_smoke_run=False),
+        Provider(
+            "liger", _liger, distribution="liger-kernel", needs_gpu=True,
+            grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy"}),
+        ),
+        Provider("cce", _cut_cross_entropy, distribution="cut-cross-entropy", needs_gpu=True),
+        Provider("quack", _quack, distribution="quack-kernels", needs_gpu=True),
+    )
+}
+
+
+def load_providers(names: list[str], on_gpu: bool) -> tuple[dict[str, OpTable], dict[str, str]]:
+    """Load the named providers: ``({name: table}, {name: why it was skipped})``."""
+    tables, skipped = {}, {}
+    for name in names:
+        provider = PROVIDERS[name]
+        if provider.needs_gpu and not on_gpu:
+            skipped[name] = "needs a CUDA device"
+            continue
+        try:
+            tables[name] = provider.load()
+        except ImportError as error:
+            hint = f" (pip install {provider.distribution})" if provider.distribution else ""
+            skipped[name] = f"not importable: {error}{hint}"
+        except RuntimeError as error:
+            skipped[name] = str(error)
+    return tables, skipped

@@ -1,0 +1,203 @@
+"""Timing and memory of one op call, and the ceilings they are compared to.
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events; a warm-up call compiles first).
+L2 (50 MB on an H100) must not flatter small shapes: every measurement rotates through several
+copies of its inputs, as many as needed for the copies together to exceed 4× the L2 size (at most
+``MAX_INPUT_SETS``; one set when a single set is already that large), so no call finds its
+operands left in cache by the previous one. Triton 3.6's do_bench also zeroes a 256 MB buffer
+before each timed call; the rotation keeps the guarantee whatever the timer does.
+
+Backward alone is timed by running forward once per input set and re-running
+``torch.autograd.backward(..., retain_graph=True)``. Providers that write gradients during forward
+cannot be re-run that way: for them forward and full are timed and backward is full − forward.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from triton.testing import do_bench
+
+from tigon.bench.specs import Case
+
+WARMUP_MS = 25
+REP_MS = 100
+MAX_INPUT_SETS = 16
+L2_FALLBACK_BYTES = 50 * 2**20
+COPY_BYTES = 2 * 2**30  # source of the ceiling copy (as much again is written)
+MATMUL_SIZE = 8192
+
+DERIVED_BACKWARD_NOTE = "backward = full - forward"
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float  # device-to-device copy, bytes read + written
+    matmul_tflops: float  # bf16 8192³ matmul
+
+
+@dataclass
+class Measurement:
+    status: str  # "ok", "smoke" (no timing claimed), "oom" or "error"
+    time_ms: float | None = None
+    peak_mib: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    destination = torch.empty_like(source)
+    copy_ms = do_bench(lambda: destination.copy_(source), warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    del source, destination
+    a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=torch.bfloat16) for _ in range(2))
+    product = torch.empty_like(a)
+    matmul_ms = do_bench(lambda: torch.mm(a, b, out=product), warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+    del a, b, product
+    _release_memory()
+    return Ceilings(
+        copy_gbps=2 * COPY_BYTES / (copy_ms * 1e6),
+        matmul_tflops=2 * MATMUL_SIZE**3 / (matmul_ms * 1e9),
+    )
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size or L2_FALLBACK_BYTES
+
+
+def _as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def _backward(outputs, case: Case, retain_graph: bool = False) -> None:
+    torch.autograd.backward(_as_tuple(outputs), case.grad_outputs, retain_graph=retain_graph)
+
+
+def _full_step(fn, case: Case) -> None:
+    _backward(fn(case.args), case)
+
+
+def _clear_grads(cases: list[Case]) -> None:
+    for case in cases:
+        for leaf in case.leaves():
+            leaf.grad = None
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _peak_extra_mib(fn, case: Case) -> float:
+    """Memory one forward+backward allocates beyond what exists before it (inputs, their output
+    gradients): outputs, saved activations, workspaces and the input gradients."""
+    _clear_grads([case])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _full_step(fn, case)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    _clear_grads([case])
+    return peak / 2**20
+
+
+def _median_ms(step: Callable[[], Any], cases: list[Case]) -> float:
+    leaves = [leaf for case in cases for leaf in case.leaves()]
+    # grad_to_none: each timed backward allocates fresh gradients instead of accumulating.
+    return do_bench(step, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=leaves, return_mode="median")
+
+
+def _time_forward(fn, cases):
+    rotation = itertools.cycle(cases)
+    return _median_ms(lambda: fn(next(rotation).args), cases)
+
+
+def _time_full(fn, cases):
+    rotation = itertools.cycle(cases)
+    return _median_ms(lambda: _full_step(fn, next(rotation)), cases)
+
+
+def _time_backward(fn, cases):
+    graphs = itertools.cycle([(fn(case.args), case) for case in cases])
+
+    def step():
+        outputs, case = next(graphs)
+        _backward(outputs, case, retain_graph=True)
+
+    return _median_ms(step, cases)
+
+
+def input_sets(build: Callable[[], Case], l2_bytes: int) -> list[Case]:
+    """Enough input sets that, rotated, they exceed 4× the L2 cache."""
+    first = build()
+    count = min(MAX_INPUT_SETS, max(1, math.ceil(4 * l2_bytes / first.nbytes())))
+    return [first] + [build() for _ in range(count - 1)]
+
+
+def measure(fn, build: Callable[[], Case], mode: str, grads_in_forward: bool, l2_bytes: int) -> Measurement:
+    """Median time of ``mode`` and the peak extra memory of one forward+backward, on a GPU."""
+    cases = []
+    try:
+        cases = input_sets(build, l2_bytes)
+        _full_step(fn, cases[0])  # compiles (Triton JIT, torch.compile, autotuning) outside the timing
+        peak_mib = _peak_extra_mib(fn, cases[0])
+        notes = []
+        if mode == "forward":
+            time_ms = _time_forward(fn, cases)
+        elif mode == "full":
+            time_ms = _time_full(fn, cases)
+        else:
+            time_ms = None
+            if grads_in_forward:
+                notes.append(f"{DERIVED_BACKWARD_NOTE} (gradients written during forward)")
+            else:
+                try:
+                    time_ms = _time_backward(fn, cases)
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except RuntimeError as error:  # e.g. torch.compile's donated buffers forbid retain_graph
+                    notes.append(f"{DERIVED_BACKWARD_NOTE} (backward cannot be re-run: {_first_line(error, 80)})")
+            if time_ms is None:
+                time_ms = _time_full(fn, cases) - _time_forward(fn, cases)
+        return Measurement("ok", time_ms, peak_mib, notes)
+    except torch.cuda.OutOfMemoryError:
+        return Measurement("oom", notes=["out of memory"])
+    except Exception as error:  # a provider failing on one shape must not end the run
+        return Measurement("error", notes=[f"{type(error).__name__}: {_first_line(error)}"])
+    finally:
+        del cases
+        _release_memory()
+
+
+def smoke(fn, build: Callable[[], Case], mode: str, device: torch.device) -> Measurement:
+    """One call of ``mode`` on tiny inputs: exercises the provider and the harness, times nothing
+    (the wall-clock is recorded for the record, flagged ``smoke``)."""
+    try:
+        case = build()
+        if mode == "backward":
+            outputs = fn(case.args)
+            start = time.perf_counter()
+            _backward(outputs, case)
+        else:
+            start = time.perf_counter()
+            outputs = fn(case.args)
+            if mode == "full":
+                _backward(outputs, case)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return Measurement("smoke", (time.perf_counter() - start) * 1e3)
+    except Exception as error:
+        return Measurement("error", notes=[f"{type(error).__name__}: {_first_line(error)}"])
+
+
+def _first_line(error: Exception, limit: int = 160) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else "")[:limit]

@@ -1,0 +1,240 @@
+"""What ``tigon bench`` measures: per op, one swept size axis (as data), the inputs of one call and
+the work that call must do at the least (the roofline its time is compared to).
+
+Work is counted per direction. Memory-bound ops count the bytes of the tensors that must cross
+HBM (small vectors such as norm weights, ``rstd`` or RoPE's ``cos``/``sin`` tables are left out:
+they are under 1% at every swept shape); the fused linear cross entropy is compute-bound and counts
+its matmul FLOPs. ``full`` is forward + backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+BYTES = "bytes"
+FLOPS = "flops"
+MODES = ("forward", "backward", "full")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Sizes of the swept dimension ``axis``; the other dimensions are fixed in ``dims``."""
+
+    axis: str
+    sizes: tuple[int, ...]
+    headline: int  # the shape quoted in docs/anchors: marked in tables and plots
+    dims: Mapping[str, int]
+
+    def shape_dims(self, size: int) -> dict[str, int]:
+        return {**self.dims, self.axis: size}
+
+
+@dataclass
+class Case:
+    """One input set: the keyword arguments of a call and the gradients its outputs receive in
+    backward (``None`` for a scalar loss, which gets ``1``)."""
+
+    args: dict[str, Any]
+    grad_outputs: tuple[torch.Tensor | None, ...]
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [t for t in self.args.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def nbytes(self) -> int:
+        tensors = [t for t in (*self.args.values(), *self.grad_outputs) if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    shape: str  # the call's shapes, formatted with the dims of a sweep point
+    sweep: Sweep  # on a GPU
+    smoke: Sweep  # tiny shapes for the interpreter smoke run
+    build: Callable[[dict[str, int], torch.dtype, torch.device], Case]
+    # The call as tigon.functional and tests/reference.py both spell it: call(module, case.args).
+    call: Callable[[ModuleType, dict[str, Any]], Any]
+    # (forward, backward) work of one call for the dims and element size, in ``unit``.
+    work: Callable[[dict[str, int], int], tuple[float, float]]
+    unit: str = BYTES
+
+    def work_for(self, dims: dict[str, int], element_size: int, mode: str) -> float:
+        forward, backward = self.work(dims, element_size)
+        return {"forward": forward, "backward": backward, "full": forward + backward}[mode]
+
+    def describe(self, dims: dict[str, int]) -> str:
+        return self.shape.format(**dims)
+
+
+def _randn(shape, dtype, device, requires_grad=False, scale=1.0):
+    return torch.randn(shape, dtype=dtype, device=device).mul_(scale).requires_grad_(requires_grad)
+
+
+def _norm_case(with_residual=False, with_bias=False):
+    def build(dims, dtype, device):
+        rows, hidden = dims["rows"], dims["H"]
+        args = {"x": _randn((rows, hidden), dtype, device, True)}
+        if with_residual:
+            args["residual"] = _randn((rows, hidden), dtype, device, True)
+        args["weight"] = _randn(hidden, dtype, device, True)
+        if with_bias:
+            args["bias"] = _randn(hidden, dtype, device, True)
+        grads = [_randn((rows, hidden), dtype, device)]
+        if with_residual:  # the summed output also receives a gradient (the next residual branch)
+            grads.append(_randn((rows, hidden), dtype, device))
+        return Case(args, tuple(grads))
+
+    return build
+
+
+def _rope_case(dims, dtype, device):
+    # q and k as a Hugging Face attention layer hands them over: [B, T, H, D] projections viewed
+    # as [B, H, T, D] by a transpose, so the head axis is not the outer one in memory.
+    batch, seq_len, head_dim = dims["B"], dims["T"], dims["D"]
+
+    def heads(n_heads, requires_grad=False):
+        return _randn((batch, seq_len, n_heads, head_dim), dtype, device).transpose(1, 2).requires_grad_(requires_grad)
+
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, device=device) / head_dim)
+    angles = torch.arange(seq_len, device=device)[:, None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[None]  # [1, T, D], as a Llama rotary embedding
+    args = {
+        "q": heads(dims["Hq"], True), "k": heads(dims["Hk"], True),
+        "cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype),
+    }
+    return Case(args, (heads(dims["Hq"]), heads(dims["Hk"])))
+
+
+def _gated_case(dims, dtype, device):
+    shape = (dims["rows"], dims["I"])
+    args = {"gate": _randn(shape, dtype, device, True), "up": _randn(shape, dtype, device, True)}
+    return Case(args, (_randn(shape, dtype, device),))
+
+
+def _cross_entropy_case(dims, dtype, device):
+    rows, vocab = dims["rows"], dims["V"]
+    args = {
+        "logits": _randn((rows, vocab), dtype, device, True),
+        "target": torch.randint(0, vocab, (rows,), device=device),
+    }
+    return Case(args, (None,))
+
+
+def _fused_linear_case(dims, dtype, device):
+    rows, hidden, vocab = dims["rows"], dims["H"], dims["V"]
+    # weight ~ N(0, 1/H) gives unit-variance logits, as at initialisation: a flat softmax, the
+    # hard case for providers that skip the gradient where the softmax is negligible (CCE).
+    args = {
+        "input": _randn((rows, hidden), dtype, device, True),
+        "weight": _randn((vocab, hidden), dtype, device, True, scale=hidden**-0.5),
+        "target": torch.randint(0, vocab, (rows,), device=device),
+    }
+    return Case(args, (None,))
+
+
+def _elements(*names):
+    return lambda dims: math.prod(dims[name] for name in names)
+
+
+def _tensor_passes(count, forward, backward):
+    """Work of an op that streams ``forward`` then ``backward`` tensors of ``count(dims)`` elements."""
+    return lambda dims, element_size: (
+        forward * count(dims) * element_size, backward * count(dims) * element_size
+    )
+
+
+def _rope_elements(dims):
+    return dims["B"] * dims["T"] * dims["D"] * (dims["Hq"] + dims["Hk"])
+
+
+def _fused_linear_flops(dims, element_size):
+    # Forward: the logits X·Wᵀ (2·N·H·V). Backward: dX = dZ·W and dW = dZᵀ·X (2·N·H·V each).
+    # Providers that recompute the logits in backward do more; this is the floor.
+    nhv = dims["rows"] * dims["H"] * dims["V"]
+    return 2 * nhv, 4 * nhv
+
+
+VOCAB_SIZES = (32000, 65536, 128256, 151936, 262144)
+
+
+NORM_SWEEP = Sweep("H", (1024, 2048, 4096, 8192, 16384), 4096, {"rows": 16384})
+NORM_SMOKE = Sweep("H", (96, 256), 256, {"rows": 48})
+
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        # Forward reads x, writes y; backward reads x and dy, writes dx.
+        OpSpec(
+            "rms_norm", "x [{rows}, {H}]", sweep=NORM_SWEEP, smoke=NORM_SMOKE, build=_norm_case(),
+            call=lambda f, a: f.rms_norm(a["x"], a["weight"]),
+            work=_tensor_passes(_elements("rows", "H"), 2, 3),
+        ),
+        # Forward reads x and residual, writes y and the sum; backward reads the sum, dy and the
+        # gradient of the sum, writes dx (the same tensor is the residual's gradient).
+        OpSpec(
+            "fused_add_rms_norm", "x, residual [{rows}, {H}]", sweep=NORM_SWEEP, smoke=NORM_SMOKE,
+            build=_norm_case(with_residual=True),
+            call=lambda f, a: f.fused_add_rms_norm(a["x"], a["residual"], a["weight"]),
+            work=_tensor_passes(_elements("rows", "H"), 4, 4),
+        ),
+        OpSpec(
+            "layer_norm", "x [{rows}, {H}]", sweep=NORM_SWEEP, smoke=NORM_SMOKE, build=_norm_case(with_bias=True),
+            call=lambda f, a: f.layer_norm(a["x"], a["weight"], a["bias"]),
+            work=_tensor_passes(_elements("rows", "H"), 2, 3),
+        ),
+        # q and k read and written in forward; dq and dk read and written in backward.
+        OpSpec(
+            "rope", "q [{B}, {Hq}, {T}, {D}], k [{B}, {Hk}, {T}, {D}]",
+            sweep=Sweep("T", (512, 1024, 2048, 4096, 8192), 4096, {"B": 4, "Hq": 32, "Hk": 8, "D": 128}),
+            smoke=Sweep("T", (24, 64), 64, {"B": 1, "Hq": 4, "Hk": 2, "D": 32}),
+            build=_rope_case,
+            call=lambda f, a: f.rope(a["q"], a["k"], a["cos"], a["sin"]),
+            work=_tensor_passes(_rope_elements, 2, 2),
+        ),
+        # Forward reads gate and up, writes the product; backward reads gate, up and the output
+        # gradient, writes both input gradients (the activation is recomputed, not stored).
+        *(
+            OpSpec(
+                name, "gate, up [{rows}, {I}]",
+                sweep=Sweep("I", (4096, 8192, 11008, 14336, 18944), 14336, {"rows": 16384}),
+                smoke=Sweep("I", (96, 256), 256, {"rows": 48}),
+                build=_gated_case,
+                call=call,
+                work=_tensor_passes(_elements("rows", "I"), 3, 5),
+            )
+            for name, call in (
+                ("swiglu", lambda f, a: f.swiglu(a["gate"], a["up"])),
+                ("geglu", lambda f, a: f.geglu(a["gate"], a["up"])),
+            )
+        ),
+        # Three passes over the logits: the logsumexp must be known before any gradient element
+        # (softmax − one-hot) can be written, and a row of 32K-262K logits does not stay on chip,
+        # so the logits are read twice and the gradient written once. Forward is counted as the
+        # loss alone (one read), backward as the gradient (one read, one write); providers that
+        # write the gradient during forward do all three passes there.
+        OpSpec(
+            "cross_entropy", "logits [{rows}, {V}]",
+            sweep=Sweep("V", VOCAB_SIZES, 128256, {"rows": 8192}),
+            smoke=Sweep("V", (500, 1000), 1000, {"rows": 32}),
+            build=_cross_entropy_case,
+            call=lambda f, a: f.cross_entropy(a["logits"], a["target"]),
+            work=_tensor_passes(_elements("rows", "V"), 1, 2),
+        ),
+        OpSpec(
+            "fused_linear_cross_entropy", "x [{rows}, {H}], W [{V}, {H}]",
+            sweep=Sweep("V", VOCAB_SIZES, 128256, {"rows": 8192, "H": 4096}),
+            smoke=Sweep("V", (500, 1000), 1000, {"rows": 32, "H": 64}),
+            build=_fused_linear_case,
+            call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"]),
+            work=_fused_linear_flops,
+            unit=FLOPS,
+        ),
+    )
+}

@@ -1,0 +1,123 @@
+"""The benchmark harness: the smoke run end to end, the roofline against the anchors' floors, and
+the GPU timing path driven by a stand-in for ``do_bench`` (so its logic runs without a GPU)."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from tigon.bench import main, runner
+from tigon.bench.providers import PROVIDERS
+from tigon.bench.report import COLUMNS
+from tigon.bench.specs import OPS
+from utils import DEVICE, ON_GPU
+
+
+def test_smoke_run_writes_results(tmp_path):
+    ops, providers = ["rms_norm", "cross_entropy"], ["tigon", "torch"]
+    assert main([*ops, "--smoke", "--providers", *providers, "--out", str(tmp_path)]) == 0
+
+    with (tmp_path / "bench-bf16-full.csv").open() as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == COLUMNS
+    expected = {(op, size, provider) for op in ops for size in OPS[op].smoke.sizes for provider in providers}
+    assert {(row["op"], int(row["size"]), row["provider"]) for row in rows} == expected
+    assert all(row["status"] == "smoke" and row["smoke"] == "True" for row in rows)
+    assert all(row["gbps"] == row["pct_of_ceiling"] == "" for row in rows), "a smoke run claims no rates"
+    assert sum(row["headline"] == "True" for row in rows) == len(ops) * len(providers)
+
+    saved = json.loads((tmp_path / "bench-bf16-full.json").read_text())
+    assert saved["meta"]["smoke"] is True and saved["meta"]["ceilings"] is None
+    assert set(saved["meta"]["ops"]) == set(ops)
+    assert [tuple(row) for row in saved["results"]] == [COLUMNS] * len(rows)
+    for op in ops:
+        assert (tmp_path / f"{op}-bf16-full.png").is_file()
+
+
+def test_missing_or_unusable_provider_is_skipped(tmp_path, capsys):
+    # cce needs a GPU and is not a test dependency: either way it must be skipped, not fatal.
+    assert main(["swiglu", "--smoke", "--quick", "--providers", "torch", "cce", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "bench-bf16-full-quick.json").read_text())
+    if "cce" not in saved["meta"]["providers"]:
+        assert "cce" in saved["meta"]["skipped_providers"]
+        assert "skipping provider cce" in capsys.readouterr().out
+    assert {row["provider"] for row in saved["results"]} == {"torch"}  # cce has no swiglu
+
+
+@pytest.mark.parametrize(
+    "op, unit_rate, floor_ms",
+    [  # docs/anchors: ceilings 3019 GB/s and 694 TFLOP/s, floors of the headline shapes
+        ("rms_norm", 3019e6, 0.22),
+        ("rope", 3019e6, 0.22),
+        ("swiglu", 3019e6, 1.24),
+        ("cross_entropy", 3019e6, 2.09),
+        ("fused_linear_cross_entropy", 694e9, 37.2),
+    ],
+)
+def test_roofline_matches_anchor_floors(op, unit_rate, floor_ms):
+    sweep = OPS[op].sweep
+    work = OPS[op].work_for(sweep.shape_dims(sweep.headline), 2, "full")
+    assert work / unit_rate == pytest.approx(floor_ms, rel=0.02)  # the anchors quote 2-3 digits
+
+
+@pytest.fixture
+def fake_device_timing(monkeypatch):
+    """``do_bench`` replaced by three calls of the step returning queued times; without a GPU
+    the CUDA memory counters are stubbed (1 MiB peak)."""
+    times = []
+
+    def do_bench(step, warmup, rep, grad_to_none=None, return_mode="mean"):
+        assert return_mode == "median"
+        for _ in range(3):
+            for leaf in grad_to_none or ():
+                leaf.grad = None
+            step()
+        return times.pop(0)
+
+    monkeypatch.setattr(runner, "do_bench", do_bench)
+    if not ON_GPU:
+        for name, value in (("synchronize", None), ("reset_peak_memory_stats", None),
+                            ("memory_allocated", 0), ("max_memory_allocated", 2**20)):
+            monkeypatch.setattr(torch.cuda, name, lambda *args, _value=value: _value)
+    return times
+
+
+def _tigon_case(op, size):
+    spec = OPS[op]
+    dims = spec.smoke.shape_dims(size)
+    return PROVIDERS["tigon"].load()[op], lambda: spec.build(dims, torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward", "full"])
+def test_measure_times_each_mode(fake_device_timing, mode):
+    fn, build = _tigon_case("rms_norm", 96)
+    fake_device_timing.append(0.5)
+    result = runner.measure(fn, build, mode, grads_in_forward=False, l2_bytes=1)
+    assert (result.status, result.time_ms, result.notes) == ("ok", 0.5, [])
+    assert result.peak_mib > 0
+
+
+def test_backward_of_grads_in_forward_is_full_minus_forward(fake_device_timing):
+    fn, build = _tigon_case("cross_entropy", 500)
+    fake_device_timing.extend([3.0, 1.0])  # full, then forward
+    result = runner.measure(fn, build, "backward", grads_in_forward=True, l2_bytes=1)
+    assert (result.status, result.time_ms, result.notes) == ("ok", 2.0, [f"{runner.DERIVED_BACKWARD_NOTE} (gradients written during forward)"])
+
+
+def test_failing_provider_is_recorded_not_raised(fake_device_timing):
+    def broken(args):
+        raise ValueError("no kernel for this shape")
+
+    _, build = _tigon_case("rms_norm", 96)
+    result = runner.measure(broken, build, "full", grads_in_forward=False, l2_bytes=1)
+    assert result.status == "error" and "no kernel for this shape" in result.notes[0]
+
+
+def test_input_sets_exceed_four_times_l2():
+    _, build = _tigon_case("rms_norm", 96)
+    set_bytes = build().nbytes()
+    assert len(runner.input_sets(build, l2_bytes=set_bytes)) == 4
+    assert len(runner.input_sets(build, l2_bytes=set_bytes // 8)) == 1
+    assert len(runner.input_sets(build, l2_bytes=100 * set_bytes)) == runner.MAX_INPUT_SETS
