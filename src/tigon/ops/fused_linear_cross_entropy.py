@@ -30,11 +30,11 @@ import torch
 
 from tigon.ops._launch import as_rows, tigon_op
 from tigon.ops.cross_entropy import (
+    check_targets,
     cross_entropy_bwd,
     launch_cross_entropy_fwd,
     mean_grad_scale,
     reduce_rows,
-    valid_target_count,
 )
 
 # Logits memory per chunk. Smaller chunks hold less but make the [V, H] weight gradient be read and
@@ -91,9 +91,11 @@ def _chunked_cross_entropy(
 
 def _new_grads(x2d, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed):
     """Gradient buffers for what is needed, ``None`` for the rest (``grad_bias`` accumulates in fp32)."""
+    # The first chunk's matmul writes grad_weight; without tokens there is no chunk to do it.
+    new_weight_like = torch.empty_like if x2d.shape[0] > 0 else torch.zeros_like
     return (
         torch.empty_like(x2d, memory_format=torch.contiguous_format) if grad_input_needed else None,
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed else None,
+        new_weight_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed else None,
         torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias_needed else None,
     )
 
@@ -140,7 +142,7 @@ def fused_linear_cross_entropy_fwd(
     ``grad_weight [V, H]``, ``grad_bias [V]`` for ``grad_output = 1`` (empty when not needed,
     and always for ``"none"``, whose backward recomputes)."""
     x2d, target = as_rows(input), target.reshape(-1)
-    n_valid = valid_target_count(target, weight.shape[0], ignore_index)
+    n_valid = check_targets(target, weight.shape[0], ignore_index)
     in_forward = reduction != "none"
     grad_input, grad_weight, grad_bias = _new_grads(
         x2d, weight, bias,
@@ -190,8 +192,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale,
-                softcap, return_z_loss, chunk_memory_bytes):
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+                softcap, return_z_loss, chunk_memory_bytes, needs):
         chunk_rows = chunk_rows_for(target.numel(), weight.shape[0], input.element_size(), chunk_memory_bytes)
         options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss, chunk_rows)
         loss, z_loss, grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_fwd(
@@ -228,7 +229,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_weight if grad_weight_needed else None,
             None,
             grad_bias if grad_bias_needed else None,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )
 
 
@@ -236,8 +237,14 @@ def fused_linear_cross_entropy(input, weight, target, bias, ignore_index, reduct
                                lse_square_scale, softcap, return_z_loss, chunk_memory_bytes):
     """``input [..., H]``, ``weight [V, H]``, ``target [...]``, ``bias [V]`` → the fp32 loss (and
     z-loss); inputs validated by :mod:`tigon.functional`."""
+    # Which gradients to compute, known here rather than inside forward (which always runs
+    # without grad mode) so that nothing is computed under torch.no_grad().
+    grad_enabled = torch.is_grad_enabled()
+    needs = tuple(
+        t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias)
+    )
     loss, z_loss = FusedLinearCrossEntropyFunction.apply(
         input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-        return_z_loss, chunk_memory_bytes,
+        return_z_loss, chunk_memory_bytes, needs,
     )
     return (loss, z_loss) if return_z_loss else loss

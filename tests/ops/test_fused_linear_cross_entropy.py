@@ -1,0 +1,202 @@
+import pytest
+import torch
+
+import reference
+import tigon.functional as tf
+import tigon.nn
+from tigon.ops.fused_linear_cross_entropy import CHUNK_ROW_MULTIPLE, chunk_rows_for
+from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
+
+# (token shape, H, V, rows per chunk): the chunk size never divides the token count, so the last
+# chunk is partial. On the GPU the rows are rounded to a multiple of 64 by chunk_rows_for.
+CASES = pick(
+    cpu=[((37,), 32, 500, 10), ((2, 33), 64, 1000, 24)],
+    gpu=[((4096,), 1024, 32000, 1000), ((2, 1000), 2048, 128256, 700)],
+)
+REDUCTIONS = ["mean", "sum", "none"]
+ALL_OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=30.0)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _problem(case, dtype, bias=True, input_grad=True, weight_grad=True, bias_grad=True, ignore_every=7):
+    token_shape, hidden, vocab, chunk_rows = case
+    x = randn(*token_shape, hidden, dtype=dtype, requires_grad=input_grad)
+    # Logits of unit scale: x, weight ~ N(0, 1) / H^(1/4) each.
+    weight = randn(vocab, hidden, dtype=dtype, requires_grad=weight_grad, scale=hidden**-0.5)
+    b = randn(vocab, dtype=dtype, requires_grad=bias_grad) if bias else None
+    target = torch.randint(0, vocab, token_shape, device=DEVICE)
+    target.view(-1)[::ignore_every] = -100
+    chunk_memory_bytes = chunk_rows * vocab * x.element_size()
+    return x, weight, target, b, chunk_memory_bytes
+
+
+def _check(x, weight, target, bias, dtype, chunk_memory_bytes, grad_output=None, **options):
+    """Loss (and z-loss) and every gradient of tigon against the fp64 reference."""
+    x64, w64, b64 = leaf_copies(x, weight, bias)
+    out = tf.fused_linear_cross_entropy(x, weight, target, bias, chunk_memory_bytes=chunk_memory_bytes, **options)
+    truth = reference.fused_linear_cross_entropy(x64, w64, target, b64, **options)
+    if options.get("return_z_loss"):
+        (out, z_loss), (truth, truth_z_loss) = out, truth
+        assert z_loss.dtype == torch.float32 and not z_loss.requires_grad
+        assert_close(z_loss, truth_z_loss, dtype, "z_loss")
+    # fp32 loss, but from logits rounded to the input dtype by the matmul: the dtype's tolerance.
+    assert out.dtype == torch.float32 and out.shape == truth.shape
+    assert_close(out, truth, dtype, "loss")
+
+    if grad_output is None and out.dim() > 0:
+        grad_output = torch.randn_like(out)
+    out.backward(grad_output)
+    truth.backward(None if grad_output is None else grad_output.to(truth.dtype))
+    for name, tensor, truth_tensor in (("input", x, x64), ("weight", weight, w64), ("bias", bias, b64)):
+        if tensor is None or not tensor.requires_grad:
+            continue
+        assert tensor.grad.dtype == dtype and tensor.grad.shape == tensor.shape
+        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_cross_entropy(case, dtype, reduction, bias):
+    x, weight, target, b, chunk_memory_bytes = _problem(case, dtype, bias=bias)
+    _check(x, weight, target, b, dtype, chunk_memory_bytes, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_options(dtype, reduction):
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], dtype)
+    _check(x, weight, target, b, dtype, chunk_memory_bytes, reduction=reduction, return_z_loss=True, **ALL_OPTIONS)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_output_scalar(reduction):
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    _check(
+        x, weight, target, b, torch.float32, chunk_memory_bytes,
+        grad_output=torch.tensor(3.7, device=DEVICE), reduction=reduction,
+    )
+
+
+@pytest.mark.parametrize("frozen", ["weight", "input", "bias", "weight_and_bias"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_frozen_tensors_get_no_grad(frozen, reduction):
+    # A frozen head (LoRA) must cost neither an error nor a [V, H] gradient.
+    x, weight, target, b, chunk_memory_bytes = _problem(
+        CASES[0], torch.bfloat16,
+        input_grad=frozen != "input", weight_grad="weight" not in frozen, bias_grad="bias" not in frozen,
+    )
+    _check(x, weight, target, b, torch.bfloat16, chunk_memory_bytes, reduction=reduction)
+    for name, tensor in (("input", x), ("weight", weight), ("bias", b)):
+        assert (tensor.grad is None) == (name in frozen), name
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_batch_gives_zero_loss_and_gradients(reduction):
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.bfloat16)
+    target = torch.full_like(target, -100)
+    loss = tf.fused_linear_cross_entropy(
+        x, weight, target, b, reduction=reduction, chunk_memory_bytes=chunk_memory_bytes,
+    )
+    assert not loss.any()
+    loss.sum().backward()
+    for tensor in (x, weight, b):
+        assert not tensor.grad.any()
+
+
+def test_empty_batch():
+    _, weight, _, b, _ = _problem(CASES[0], torch.float32)
+    x = randn(0, weight.shape[1], requires_grad=True)
+    loss = tf.fused_linear_cross_entropy(x, weight, torch.zeros(0, dtype=torch.int64, device=DEVICE), b)
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == x.shape
+    assert not weight.grad.any() and not b.grad.any()
+
+
+def test_non_contiguous_input_and_int32_target():
+    token_shape, hidden, vocab, chunk_rows = CASES[1]
+    x = randn(*token_shape, hidden + 16, dtype=torch.bfloat16)[..., 8 : 8 + hidden].requires_grad_()
+    _, weight, target, b, chunk_memory_bytes = _problem(CASES[1], torch.bfloat16)
+    x64, w64, b64 = leaf_copies(x, weight, b)
+    loss = tf.fused_linear_cross_entropy(x, weight, target.int(), b, chunk_memory_bytes=chunk_memory_bytes)
+    truth = reference.fused_linear_cross_entropy(x64, w64, target, b64)
+    loss.backward()
+    truth.backward()
+    assert_close(loss, truth, torch.bfloat16, "loss")
+    for name, tensor, truth_tensor in (("input", x, x64), ("weight", weight, w64), ("bias", b, b64)):
+        assert_close(tensor.grad, truth_tensor.grad, torch.bfloat16, f"grad of {name}")
+
+
+@pytest.mark.parametrize("bad", ["V", "negative"])
+def test_target_out_of_range_raises(bad):
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    vocab = weight.shape[0]
+    value = vocab if bad == "V" else -3
+    target.view(-1)[4] = value
+    with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for V = {vocab} "):
+        tf.fused_linear_cross_entropy(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes)
+
+
+def test_default_chunk_size():
+    x, weight, target, b, _ = _problem(CASES[1], torch.float32)
+    _check(x, weight, target, b, torch.float32, None, reduction="mean")
+
+
+def test_loss_only_under_no_grad():
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.bfloat16)
+    truth = reference.fused_linear_cross_entropy(x.double(), weight.double(), target, b.double())
+    with torch.no_grad():
+        loss = tf.fused_linear_cross_entropy(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes)
+    assert not loss.requires_grad
+    assert_close(loss, truth, torch.bfloat16, "loss")
+
+
+def test_chunk_rows():
+    # 512 MiB of Llama-3 logits (V = 128256, bf16) is 2093 rows, rounded down to whole tiles.
+    assert chunk_rows_for(8192, 128256, 2, 512 * 2**20) == 2048
+    assert chunk_rows_for(8192, 128256, 2, 1) == 1
+    assert chunk_rows_for(8192, 1000, 4, 50 * 4000) == 50
+    assert chunk_rows_for(100, 1000, 4, 10**9) == 100
+    assert chunk_rows_for(8192, 1000, 4, 1000 * 4000) % CHUNK_ROW_MULTIPLE == 0
+
+
+def test_module():
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    module = tigon.nn.FusedLinearCrossEntropyLoss(label_smoothing=0.1, chunk_memory_bytes=chunk_memory_bytes)
+    x64, w64, b64 = leaf_copies(x, weight, b)
+    loss = module(x, weight, target, b)
+    truth = reference.fused_linear_cross_entropy(x64, w64, target, b64, label_smoothing=0.1)
+    loss.backward()
+    truth.backward()
+    assert_close(loss, truth, torch.float32, "loss")
+    assert_close(weight.grad, w64.grad, torch.float32, "grad of weight")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_fullgraph(reduction):
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+
+    def step(hidden, weight, target, bias):
+        # The input is an intermediate, as the last hidden state of a model is.
+        return tf.fused_linear_cross_entropy(
+            hidden * 1.5, weight, target, bias, reduction=reduction, lse_square_scale=1e-3, return_z_loss=True,
+            chunk_memory_bytes=chunk_memory_bytes,
+        )
+
+    x64, w64, b64 = leaf_copies(x, weight, b)
+    compiled = torch.compile(step, fullgraph=True, backend=pick(cpu="aot_eager", gpu="inductor"))
+    loss, z_loss = compiled(x, weight, target, b)
+    truth, truth_z_loss = reference.fused_linear_cross_entropy(
+        x64 * 1.5, w64, target, b64, reduction=reduction, lse_square_scale=1e-3, return_z_loss=True,
+    )
+    assert_close(loss, truth, torch.float32, "loss")
+    assert_close(z_loss, truth_z_loss, torch.float32, "z_loss")
+    (loss.sum() * 3.7).backward()
+    (truth.sum() * 3.7).backward()
+    for name, tensor, truth_tensor in (("input", x, x64), ("weight", weight, w64), ("bias", b, b64)):
+        assert_close(tensor.grad, truth_tensor.grad, torch.float32, f"grad of {name}")

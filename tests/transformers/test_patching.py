@@ -1,0 +1,162 @@
+"""The patching API: its three levels, what it keeps, and its errors."""
+
+import dataclasses
+import importlib
+from copy import deepcopy
+
+import pytest
+import torch
+import transformers
+
+from tigon.transformers import (
+    FAMILIES,
+    AutoTigonForCausalLM,
+    apply_tigon,
+    apply_tigon_to_gemma,
+    apply_tigon_to_llama,
+    layers,
+    patching,
+)
+from tiny_models import tiny_batch, tiny_config, tiny_model
+from utils import DEVICE, relative_error
+
+llama_module = importlib.import_module(FAMILIES["llama"].module)
+
+
+def first_loss(model):
+    input_ids, labels = tiny_batch()
+    model.train()
+    return model(input_ids=input_ids, labels=labels).loss.detach()
+
+
+def test_patch_before_build_and_instance_patch_agree():
+    instance = apply_tigon_to_llama(model=tiny_model("llama"))
+    apply_tigon_to_llama()
+    built = tiny_model("llama")
+    assert type(built.model.norm) is type(instance.model.norm)
+    assert type(built.model.layers[0].mlp) is type(instance.model.layers[0].mlp)
+    assert torch.equal(first_loss(built), first_loss(instance))
+
+
+def test_instance_patch_keeps_parameters_and_checkpoint_format(tmp_path):
+    model = tiny_model("llama")
+    parameters = dict(model.named_parameters())
+    apply_tigon(model)
+    assert all(p is parameters[name] for name, p in model.named_parameters())
+    model.save_pretrained(tmp_path)
+    # A patched model saves a checkpoint that plain Hugging Face loads, under its own class.
+    assert transformers.AutoConfig.from_pretrained(tmp_path).architectures == ["LlamaForCausalLM"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(p, parameters[name].cpu()) for name, p in reloaded.named_parameters())
+
+
+def test_deep_copy_of_a_patched_model_is_patched():
+    # As trainers copy a policy into a reference model.
+    model = apply_tigon(tiny_model("llama"))
+    copy = deepcopy(model)
+    assert copy.forward.__self__ is copy and isinstance(copy.model.norm, layers.TigonRMSNorm)
+    assert torch.equal(first_loss(copy), first_loss(model))
+
+
+def test_patching_twice_changes_nothing_more():
+    model = apply_tigon(tiny_model("llama"))
+    norm_class, forward = type(model.model.norm), model.forward.tigon_wraps
+    apply_tigon(model)
+    apply_tigon_to_llama()
+    apply_tigon_to_llama()
+    assert type(model.model.norm) is norm_class and model.forward.tigon_wraps is forward
+    assert llama_module.LlamaRMSNorm is norm_class
+    assert llama_module.LlamaForCausalLM.forward.tigon_wraps is forward
+    built = apply_tigon(tiny_model("llama"))
+    # One idle hook on lm_head, however often the model and its module were patched.
+    assert len(built.lm_head._forward_pre_hooks) == 1 and len(model.lm_head._forward_pre_hooks) == 1
+
+
+def test_flags_switch_patches_off():
+    model = apply_tigon(tiny_model("llama"), rope=False, swiglu=False, fused_linear_cross_entropy=False)
+    assert isinstance(model.model.norm, layers.TigonRMSNorm)
+    assert not isinstance(model.model.layers[0].mlp, layers.TigonMLP)
+    assert llama_module.apply_rotary_pos_emb is not layers.apply_rotary_pos_emb
+    assert not hasattr(model.forward, "tigon_wraps")
+
+
+def test_auto_model_loads_and_patches(tmp_path):
+    plain = tiny_model("llama")
+    truth = first_loss(plain)
+    plain.save_pretrained(tmp_path)
+    model = AutoTigonForCausalLM.from_pretrained(tmp_path, swiglu=False).to(DEVICE)
+    assert isinstance(model.model.norm, layers.TigonRMSNorm)
+    assert not isinstance(model.model.layers[0].mlp, layers.TigonMLP)
+    assert relative_error(first_loss(model), truth) <= 1e-5
+
+
+def test_bf16_model():
+    truth = first_loss(tiny_model("gemma2").to(torch.bfloat16))
+    model = apply_tigon(tiny_model("gemma2").to(torch.bfloat16))
+    loss = first_loss(model)
+    assert loss.dtype == torch.float32
+    # Hugging Face rounds each intermediate to bf16; tigon rounds once per kernel.
+    assert relative_error(loss, truth) <= 1e-2
+
+
+def test_peft_lora_model():
+    peft = pytest.importorskip("peft")
+    input_ids, labels = tiny_batch()
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], init_lora_weights=False
+    )
+
+    def lora_model():
+        torch.manual_seed(0)
+        return peft.get_peft_model(tiny_model("llama"), lora)
+
+    def loss_and_lora_grads(model):
+        model.train()
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+    truth, truth_grads = loss_and_lora_grads(lora_model())
+    model = apply_tigon(lora_model())
+    assert isinstance(model.get_base_model().model.layers[0].mlp, layers.TigonMLP)
+    loss, grads = loss_and_lora_grads(model)
+    assert relative_error(loss, truth) <= 1e-5
+    assert grads.keys() == truth_grads.keys() and grads
+    for name, grad in truth_grads.items():
+        assert relative_error(grads[name], grad) <= 1e-5, f"grad of {name}"
+
+
+def test_unsupported_model_type_lists_the_supported():
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50)
+    with pytest.raises(ValueError, match="does not support model_type 'gpt2'.*gemma.*llama.*qwen3_moe"):
+        apply_tigon(transformers.GPT2LMHeadModel(config))
+
+
+def test_flag_of_another_family_is_refused():
+    with pytest.raises(TypeError, match="'gemma' models take .*geglu.*; got swiglu"):
+        apply_tigon(tiny_model("gemma"), swiglu=False)
+
+
+def test_model_of_another_family_is_refused():
+    with pytest.raises(ValueError, match="model_type 'llama', not 'gemma'"):
+        apply_tigon_to_gemma(model=tiny_model("llama"))
+
+
+def test_both_losses_are_refused():
+    with pytest.raises(ValueError, match="at most one of cross_entropy=True and fused_linear_cross_entropy=True"):
+        apply_tigon_to_llama(cross_entropy=True)
+
+
+def test_activation_the_kernel_does_not_compute_is_refused():
+    with pytest.raises(ValueError, match="config.hidden_act is 'gelu': patch with swiglu=False"):
+        apply_tigon(tiny_model("llama", hidden_act="gelu"))
+    apply_tigon_to_llama()
+    with pytest.raises(ValueError, match="config.hidden_act is 'gelu': patch with swiglu=False"):
+        transformers.LlamaForCausalLM(tiny_config("llama", hidden_act="gelu"))
+
+
+def test_renamed_class_is_named_in_the_error():
+    renamed = dataclasses.replace(FAMILIES["llama"], rms_norm="LlamaRMSNormV2")
+    flags = dict(rope=True, rms_norm=True, gated=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(RMSNorm class\\).*Pass rms_norm=False"):
+        patching.apply_family(renamed, **flags)
