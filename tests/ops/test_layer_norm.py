@@ -115,9 +115,9 @@ def test_custom_ops_fake_matches_real(weight, bias):
     weight, bias = _params(40, torch.bfloat16, weight, bias, requires_grad=False)
     y, mean, rstd = layer_norm_ops.layer_norm_fwd(x, weight, bias, 1e-5)
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(layer_norm_ops.layer_norm_fwd, (x, weight, bias, 1e-5), test_utils=checks)
+    torch.library.opcheck(layer_norm_ops.layer_norm_fwd.op, (x, weight, bias, 1e-5), test_utils=checks)
     bwd_args = (torch.randn_like(x), x, weight, mean, rstd, weight is not None, bias is not None)
-    torch.library.opcheck(layer_norm_ops.layer_norm_bwd, bwd_args, test_utils=checks)
+    torch.library.opcheck(layer_norm_ops.layer_norm_bwd.op, bwd_args, test_utils=checks)
 
 
 def test_torch_compile_fullgraph():

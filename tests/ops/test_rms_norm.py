@@ -104,8 +104,8 @@ def test_custom_ops_fake_matches_real(with_residual):
     weight = randn(64, dtype=torch.bfloat16)
     checks = ("test_schema", "test_faketensor")
     fwd_args = (x, residual, weight, 1e-6, 0.0, "llama")
-    torch.library.opcheck(rms_norm_ops.rms_norm_fwd, fwd_args, test_utils=checks)
+    torch.library.opcheck(rms_norm_ops.rms_norm_fwd.op, fwd_args, test_utils=checks)
     _, summed, rstd = rms_norm_ops.rms_norm_fwd(*fwd_args)
     normed_input = summed if with_residual else x
     bwd_args = (torch.randn_like(x), residual, normed_input, weight, rstd, 0.0, True)
-    torch.library.opcheck(rms_norm_ops.rms_norm_bwd, bwd_args, test_utils=checks)
+    torch.library.opcheck(rms_norm_ops.rms_norm_bwd.op, bwd_args, test_utils=checks)

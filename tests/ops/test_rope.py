@@ -155,7 +155,7 @@ def test_fake_matches_kernel(layout):
     q, k = (t.detach() for t in _heads(batch, q_heads, k_heads, seq_len, head_dim, layout, torch.bfloat16))
     cos, sin = _tables(batch, seq_len, rotary_dim, "shared", torch.bfloat16)
     torch.library.opcheck(
-        rope_rotate, (q, k, cos, sin, rotary_dim, False),
+        rope_rotate.op, (q, k, cos, sin, rotary_dim, False),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
 

@@ -93,6 +93,7 @@ def _sweep(args, sweeps, tables, device, smoke, l2_bytes) -> list[dict]:
                 "status": result.status, "time_ms": None if result.time_ms is None else round(result.time_ms, 5),
                 "work": spec.work_for(dims, dtype.itemsize, args.mode), "unit": spec.unit,
                 "peak_mib": None if result.peak_mib is None else round(result.peak_mib, 1),
+                "host_ms": None if result.host_ms is None else round(result.host_ms, 4),
                 "smoke": smoke, "note": "; ".join(result.notes),
             })
             progress.update()
@@ -105,9 +106,11 @@ def _meta(args, sweeps, tables, skipped, device, gpu, smoke, ceilings, l2_bytes)
         timing = "smoke: one call per row, wall-clock, no timing claimed"
     else:
         timing = (
-            f"median of triton.testing.do_bench (CUDA events, warmup {runner.WARMUP_MS} ms, rep {runner.REP_MS} ms) "
-            f"after a warm-up call; inputs rotated over copies exceeding 4x L2 ({l2_bytes} bytes), at most "
-            f"{runner.MAX_INPUT_SETS}; floor = bytes over the copy ceiling, or FLOPs over the matmul ceiling"
+            f"GPU time: median over {runner.MIN_CALLS}-{runner.MAX_CALLS} calls, each enqueued behind a sleep kernel "
+            f"longer than the host needs to launch it (CUDA events around the call), after {runner.WARMUP_CALLS} "
+            f"warm-up calls; host_ms is one call's host time with the GPU idle; inputs rotated over copies "
+            f"exceeding 4x L2 ({l2_bytes} bytes), at most {runner.MAX_INPUT_SETS}; floor = bytes over the copy "
+            f"ceiling, or FLOPs over the matmul ceiling"
         )
     return {
         "smoke": smoke,

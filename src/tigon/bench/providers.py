@@ -3,7 +3,7 @@
 
 Peers are optional: one that cannot be imported, or cannot run on this device, is reported once
 and skipped. Each provider is called as its users would call it by default (Liger's norms write
-``dx`` into ``dy``, tigon's cross entropy writes the gradient into the logits, as its module does).
+``dx`` into ``dy``; tigon's cross entropy and gates write gradients over their inputs, as its modules do).
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ def _tigon() -> OpTable:
     import tigon.functional as tf
 
     table = _standard_table(tf)
+    # As tigon's modules call them: gradients written over the inputs' storage (the gated MLPs' gate
+    # and up projections, the loss's logits), which nothing else reads afterwards.
     table["cross_entropy"] = lambda a: tf.cross_entropy(a["logits"], a["target"], inplace_backward=True)
+    table["swiglu"] = lambda a: tf.swiglu(a["gate"], a["up"], inplace_backward=True)
+    table["geglu"] = lambda a: tf.geglu(a["gate"], a["up"], inplace_backward=True)
     return table
 
 

@@ -12,7 +12,7 @@ from tigon.bench.specs import BYTES
 COLUMNS = (
     "op", "axis", "size", "headline", "shape", "dtype", "mode", "provider", "status",
     "time_ms", "work", "unit", "floor_ms", "gbps", "tflops", "pct_of_ceiling",
-    "speedup_vs_torch", "speedup_vs_compile", "peak_mib", "smoke", "note",
+    "speedup_vs_torch", "speedup_vs_compile", "peak_mib", "host_ms", "smoke", "note",
 )
 
 SMOKE_BANNER = (
@@ -67,7 +67,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
             f"{meta['gpu']}: copy ceiling {ceilings['copy_gbps']:.0f} GB/s (read + write), "
             f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. Median times, mode {meta['mode']}; "
             "floor = work / ceiling; vs torch / vs compile = their time / this time; "
-            "peak = extra MiB of one forward+backward.",
+            "peak = extra MiB of one forward+backward; host = the host's ms per call (hidden while the GPU is behind).",
             "",
         ]
     for op in dict.fromkeys(row["op"] for row in rows):
@@ -80,7 +80,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
         else:
             lines.append(
                 f"  {first['axis']:>8}  {'provider':<14}{'time ms':>9}{'floor':>8}{rate:>9}{'% ceil':>8}"
-                f"{'vs torch':>10}{'vs compile':>11}{'peak MiB':>10}  note"
+                f"{'vs torch':>10}{'vs compile':>11}{'peak MiB':>10}{'host ms':>9}  note"
             )
         for row in op_rows:
             size = ("* " if row["headline"] else "") + str(row["size"])
@@ -92,7 +92,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
                     f"{_fmt(row['gbps'] if rate == 'GB/s' else row['tflops'], '.0f'):>9}"
                     f"{_fmt(row['pct_of_ceiling'], '.0f', '%'):>8}"
                     f"{_fmt(row['speedup_vs_torch'], '.2f', 'x'):>10}{_fmt(row['speedup_vs_compile'], '.2f', 'x'):>11}"
-                    f"{_fmt(row['peak_mib'], '.0f'):>10}"
+                    f"{_fmt(row['peak_mib'], '.0f'):>10}{_fmt(row['host_ms'], '.3f'):>9}"
                 )
             lines.append(f"  {size:>8}  {row['provider']:<14}{columns}  {_status_and_note(row)}")
         lines.append("")

@@ -1,11 +1,19 @@
 """Timing and memory of one op call, and the ceilings they are compared to.
 
-Times are medians of ``triton.testing.do_bench`` (CUDA events; a warm-up call compiles first).
+**What a time means.** The GPU time of the call as it runs inside a training step, where the
+host is ahead of the GPU: before each timed call the GPU is kept busy by a sleep kernel longer
+than the host needs to enqueue the call, so the events around it measure the kernels and the
+gaps between them, not the host's Python and launch overhead (which a plain ``do_bench`` of a
+sub-millisecond op mostly measures on the H100 machine: 0.3 to 1 ms of host time per call).
+A provider that synchronises with the host inside its call (a ``.item()``) still pays for it:
+the host then waits, and everything it enqueues afterwards runs at the host's pace. The host
+time of one call is recorded beside it (``host_ms``, measured with the GPU idle). Each time is
+the median over many calls after warm-up.
+
 L2 (50 MB on an H100) must not flatter small shapes: every measurement rotates through several
 copies of its inputs, as many as needed for the copies together to exceed 4× the L2 size (at most
 ``MAX_INPUT_SETS``; one set when a single set is already that large), so no call finds its
-operands left in cache by the previous one. Triton 3.6's do_bench also zeroes a 256 MB buffer
-before each timed call; the rotation keeps the guarantee whatever the timer does.
+operands left in cache by the previous one.
 
 Backward alone is timed by running forward once per input set and re-running
 ``torch.autograd.backward(..., retain_graph=True)``. Providers that write gradients during forward
@@ -14,6 +22,7 @@ cannot be re-run that way: for them forward and full are timed and backward is f
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import math
@@ -29,6 +38,8 @@ from tigon.bench.specs import Case
 
 WARMUP_MS = 25
 REP_MS = 100
+WARMUP_CALLS = 3
+MIN_CALLS, MAX_CALLS = 10, 200
 MAX_INPUT_SETS = 16
 L2_FALLBACK_BYTES = 50 * 2**20
 COPY_BYTES = 2 * 2**30  # source of the ceiling copy (as much again is written)
@@ -48,6 +59,7 @@ class Measurement:
     status: str  # "ok", "smoke" (no timing claimed), "oom" or "error"
     time_ms: float | None = None
     peak_mib: float | None = None
+    host_ms: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -109,10 +121,56 @@ def _peak_extra_mib(fn, case: Case) -> float:
     return peak / 2**20
 
 
-def _median_ms(step: Callable[[], Any], cases: list[Case]) -> float:
+def _host_ms(step: Callable[[], Any]) -> float:
+    """Median host time of ``step`` with the GPU idle, so that nothing waits on it."""
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(times)[1] * 1e3
+
+
+@functools.lru_cache(maxsize=None)
+def _sleep_cycles_per_ms() -> float:
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)  # first call loads the kernel
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+def _median_ms(step: Callable[[], Any], cases: list[Case]) -> tuple[float, float]:
+    """(median GPU ms of ``step`` enqueued behind a sleep, host ms of one ``step``)."""
     leaves = [leaf for case in cases for leaf in case.leaves()]
-    # grad_to_none: each timed backward allocates fresh gradients instead of accumulating.
-    return do_bench(step, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=leaves, return_mode="median")
+
+    def clear_grads():  # each call allocates fresh gradients instead of accumulating
+        for leaf in leaves:
+            leaf.grad = None
+
+    for _ in range(WARMUP_CALLS):
+        clear_grads()
+        step()
+    clear_grads()
+    host_ms = _host_ms(step)
+    sleep_cycles = int(_sleep_cycles_per_ms() * (2 * host_ms + 0.1))
+    times = []
+    while len(times) < MIN_CALLS or (sum(times) < REP_MS and len(times) < MAX_CALLS):
+        clear_grads()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2], host_ms
 
 
 def _time_forward(fn, cases):
@@ -150,24 +208,25 @@ def measure(fn, build: Callable[[], Case], mode: str, grads_in_forward: bool, l2
         _full_step(fn, cases[0])  # compiles (Triton JIT, torch.compile, autotuning) outside the timing
         peak_mib = _peak_extra_mib(fn, cases[0])
         notes = []
+        host_ms = None
         if mode == "forward":
-            time_ms = _time_forward(fn, cases)
+            time_ms, host_ms = _time_forward(fn, cases)
         elif mode == "full":
-            time_ms = _time_full(fn, cases)
+            time_ms, host_ms = _time_full(fn, cases)
         else:
             time_ms = None
             if grads_in_forward:
                 notes.append(f"{DERIVED_BACKWARD_NOTE} (gradients written during forward)")
             else:
                 try:
-                    time_ms = _time_backward(fn, cases)
+                    time_ms, host_ms = _time_backward(fn, cases)
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except RuntimeError as error:  # e.g. torch.compile's donated buffers forbid retain_graph
                     notes.append(f"{DERIVED_BACKWARD_NOTE} (backward cannot be re-run: {_first_line(error, 80)})")
             if time_ms is None:
-                time_ms = _time_full(fn, cases) - _time_forward(fn, cases)
-        return Measurement("ok", time_ms, peak_mib, notes)
+                time_ms = _time_full(fn, cases)[0] - _time_forward(fn, cases)[0]
+        return Measurement("ok", time_ms, peak_mib, host_ms, notes)
     except torch.cuda.OutOfMemoryError:
         return Measurement("oom", notes=["out of memory"])
     except Exception as error:  # a provider failing on one shape must not end the run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 
@@ -71,15 +72,32 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 def tigon_op(name: str, *, mutates_args: tuple[str, ...] = (), fake: Callable | None = None):
     """Register a launcher as the PyTorch custom op ``tigon::<name>``.
 
-    Ops are opaque to ``torch.compile`` (no graph break, no tracing into Triton) and their
-    ``fake`` function gives output shapes for tracing.
+    Code traced by ``torch.compile`` calls the registered op, which is opaque to it (no graph
+    break, no tracing into Triton; ``fake`` gives the output shapes). Eager code calls the
+    launcher directly: the dispatcher's checks cost about 0.3 ms of host time per call on the
+    H100 machine, more than most of these kernels take on the GPU. Like the op, the direct call
+    bumps the version counter of each tensor it writes, so that autograd refuses to use a saved
+    tensor overwritten since. The op is kept as ``.op``.
     """
 
     def register(launcher: Callable):
         op = torch.library.custom_op(f"tigon::{name}", mutates_args=mutates_args)(launcher)
         if fake is not None:
             op.register_fake(fake)
-        return op
+        signature = inspect.signature(launcher)
+
+        @functools.wraps(launcher)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return op(*args, **kwargs)
+            result = launcher(*args, **kwargs)
+            if mutates_args:
+                bound = signature.bind(*args, **kwargs).arguments
+                torch.autograd.graph.increment_version([bound[name] for name in mutates_args])
+            return result
+
+        call.op = op
+        return call
 
     return register
 

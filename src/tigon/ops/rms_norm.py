@@ -167,10 +167,12 @@ def rms_norm_bwd(
     dsum2d = as_rows(dsum) if dsum is not None else dy2d
     n_rows, n_cols = x2d.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    block_n, num_warps = row_launch_config(n_cols, x.element_size())
-    # Measured on an H100 at [16384, 4096] bf16: one program per multiprocessor holding 4 rows
-    # (16K elements) in flight reaches 89% of the copy ceiling; 2 per SM with 1 row, 84%.
+    block_n = triton.next_power_of_2(n_cols)
+    # Swept on the H100 at [16384, 4096] bf16 (benchmarks/tune_kernels.py): one program per
+    # multiprocessor holding 4 rows (16K elements) in flight, 8 warps (64 elements a thread),
+    # reaches 89% of the copy ceiling (92% with the residual's gradient); 4 warps spill.
     block_m = rows_per_block(n_cols, min_elements=16384)
+    num_warps = max(4, min(16, block_m * block_n // 2048))
     n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, 1)))
     compute_dw = weight is not None and weight_requires_grad
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else None
