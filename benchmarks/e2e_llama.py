@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -126,8 +127,8 @@ def main() -> int:
         print("RESULT " + json.dumps(result))
         return 0
 
-    gpu = torch.cuda.get_device_name().replace(" ", "-")
-    out = args.out or Path(__file__).parent / "results" / gpu
+    gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    out = args.out or Path(__file__).parent / "results" / gpu  # the folder tigon bench writes to
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for setup in args.setups:
