@@ -221,33 +221,35 @@ def launch_cross_entropy_fwd(
     )
 
 
-def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> int:
     """``n_valid``, the number of targets other than ``ignore_index`` but at least 1 (the divisor
-    of ``"mean"``: 0 / 1 = 0 when every token is ignored), as an int64 device scalar.
+    of ``"mean"``: 0 / 1 = 0 when every token is ignored).
 
     Raises ``ValueError`` for a target outside ``[0, n_classes)``: a kernel would otherwise read
     outside the row. Finding one needs the values on the host, so this is the one host sync of a
-    call; it lives in the op (not in :mod:`tigon.functional`) so that it also runs under
-    ``torch.compile``, and a single ``aminmax`` over the valid targets decides it.
+    call (the count comes back with the same transfer); it lives in the op (not in
+    :mod:`tigon.functional`) so that it also runs under ``torch.compile``.
     """
+    if target.numel() == 0:
+        return 1
     valid = target != ignore_index
-    if target.numel() > 0:
-        lowest, highest = torch.stack(torch.where(valid, target, 0).aminmax()).tolist()
-        bad = lowest if lowest < 0 else highest if highest >= n_classes else None
-        if bad is not None:
-            raise ValueError(
-                f"target contains {bad}, outside [0, V) for V = {n_classes} classes, "
-                f"and is not ignore_index ({ignore_index})"
-            )
-    return valid.sum().clamp_(min=1)
+    lowest, highest = torch.where(valid, target, 0).aminmax()
+    lowest, highest, n_valid = torch.stack((lowest, highest, valid.sum())).tolist()
+    bad = lowest if lowest < 0 else highest if highest >= n_classes else None
+    if bad is not None:
+        raise ValueError(
+            f"target contains {bad}, outside [0, V) for V = {n_classes} classes, "
+            f"and is not ignore_index ({ignore_index})"
+        )
+    return max(n_valid, 1)
 
 
-def mean_grad_scale(n_valid: torch.Tensor) -> torch.Tensor:
-    """``[1]`` fp32 device tensor ``1 / n_valid``: the gradient factor of ``"mean"`` (no sync)."""
-    return n_valid.to(torch.float32).reciprocal_().reshape(1)
+def mean_grad_scale(n_valid: int, device: torch.device) -> torch.Tensor:
+    """``[1]`` fp32 device tensor ``1 / n_valid``: the gradient factor of ``"mean"``."""
+    return torch.full((1,), 1.0 / n_valid, dtype=torch.float32, device=device)
 
 
-def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: torch.Tensor) -> torch.Tensor:
+def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: int) -> torch.Tensor:
     """``[N]`` fp32 per-row values → the reduced scalar (or ``[N]`` for ``"none"``)."""
     if reduction == "none":
         return per_row
@@ -268,7 +270,7 @@ def _cross_entropy_into(
     target = target.reshape(-1)
     n_rows = target.numel()
     n_valid = check_targets(target, logits2d.shape[1], ignore_index)
-    grad_scale = mean_grad_scale(n_valid) if reduction == "mean" and grad is not None else None
+    grad_scale = mean_grad_scale(n_valid, logits2d.device) if reduction == "mean" and grad is not None else None
     loss = logits2d.new_empty(n_rows, dtype=torch.float32)
     z_loss = torch.empty_like(loss) if return_z_loss else None
     launch_cross_entropy_fwd(
@@ -348,9 +350,6 @@ class CrossEntropyFunction(torch.autograd.Function):
             loss, z_loss = cross_entropy_fwd_inplace(grad, target, *options)
         else:
             loss, z_loss, grad = cross_entropy_fwd(logits, target, *options, compute_grad)
-        if reduction == "none":
-            loss = loss.view(target.shape)
-            z_loss = z_loss.view(target.shape) if return_z_loss else z_loss
         ctx.save_for_backward(grad)
         ctx.logits_shape = logits.shape
         ctx.mark_non_differentiable(z_loss)
@@ -374,4 +373,14 @@ def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, lse_
         logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
         return_z_loss, inplace_backward, compute_grad,
     )
+    return shaped_losses(loss, z_loss, target, reduction, return_z_loss)
+
+
+def shaped_losses(loss, z_loss, target, reduction, return_z_loss):
+    """The per-token ``[N]`` losses of ``"none"`` viewed as ``target``'s shape. Done outside the
+    autograd functions: torch 2.11's AOTAutograd fails to trace a function that returns a view
+    next to an output marked non-differentiable."""
+    if reduction == "none":
+        loss = loss.view(target.shape)
+        z_loss = z_loss.view(target.shape) if return_z_loss else z_loss
     return (loss, z_loss) if return_z_loss else loss

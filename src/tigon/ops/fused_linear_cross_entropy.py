@@ -33,8 +33,8 @@ from tigon.ops.cross_entropy import (
     check_targets,
     cross_entropy_bwd,
     launch_cross_entropy_fwd,
-    mean_grad_scale,
     reduce_rows,
+    shaped_losses,
 )
 
 # Logits memory per chunk. Smaller chunks hold less but make the [V, H] weight gradient be read and
@@ -56,11 +56,16 @@ def chunk_rows_for(n_rows: int, n_classes: int, element_size: int, chunk_memory_
 
 def _chunked_cross_entropy(
     x2d, weight, target, bias, grad_scale, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
-    ignore_index, label_smoothing, lse_square_scale, softcap,
+    ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale=1.0,
 ):
     """The chunk loop: writes ``loss [N]`` (and ``z_loss``) and, when any of them is given, the
     gradients ``grad_input [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (fp32), each
-    gradient row of the logits multiplied by ``grad_scale`` (``[1]``, ``[N]`` or ``None``)."""
+    gradient row of the logits multiplied by ``grad_scale`` (``[N]`` or ``None``) and every
+    gradient by ``matmul_scale``.
+
+    ``matmul_scale`` (``1 / n_valid`` for ``"mean"``) is applied by the matmuls in fp32 rather than
+    stored into ``dlogits``: in fp16, ``p / n_valid`` falls below the smallest subnormal (6e-8)
+    for a few thousand tokens and would flush to zero before the matmuls read it."""
     n_rows = x2d.shape[0]
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
     logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
@@ -78,15 +83,13 @@ def _chunked_cross_entropy(
             ignore_index, label_smoothing, lse_square_scale, softcap,
         )
         # From here on the buffer holds dlogits.
+        # beta = 0 ignores what the output held (torch.empty); alpha is applied in fp32.
         if grad_input is not None:
-            torch.mm(logits, weight, out=grad_input[start:end])
+            grad_input[start:end].addmm_(logits, weight, beta=0, alpha=matmul_scale)
         if grad_weight is not None:
-            if start == 0:
-                torch.mm(logits.t(), x_chunk, out=grad_weight)
-            else:
-                grad_weight.addmm_(logits.t(), x_chunk)
+            grad_weight.addmm_(logits.t(), x_chunk, beta=0 if start == 0 else 1, alpha=matmul_scale)
         if grad_bias is not None:
-            grad_bias += logits.sum(0, dtype=torch.float32)
+            grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=matmul_scale)
 
 
 def _new_grads(x2d, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed):
@@ -151,9 +154,9 @@ def fused_linear_cross_entropy_fwd(
     loss = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
     z_loss = torch.empty_like(loss) if return_z_loss else None
     _chunked_cross_entropy(
-        x2d, weight, target, bias, mean_grad_scale(n_valid) if reduction == "mean" else None,
-        loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
+        x2d, weight, target, bias, None, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
         ignore_index, label_smoothing, lse_square_scale, softcap,
+        matmul_scale=1.0 / n_valid if reduction == "mean" else 1.0,
     )
     z_loss = reduce_rows(z_loss, reduction, n_valid) if return_z_loss else loss.new_empty(0)
     return reduce_rows(loss, reduction, n_valid), z_loss, *_grads_out(x2d, bias, grad_input, grad_weight, grad_bias)
@@ -200,8 +203,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         )
         if reduction == "none":
             ctx.save_for_backward(input, weight, target, bias)
-            loss = loss.view(target.shape)
-            z_loss = z_loss.view(target.shape) if return_z_loss else z_loss
         else:
             ctx.save_for_backward(grad_input, grad_weight, grad_bias)
         ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, chunk_rows)
@@ -247,4 +248,4 @@ def fused_linear_cross_entropy(input, weight, target, bias, ignore_index, reduct
         input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
         return_z_loss, chunk_memory_bytes, needs,
     )
-    return (loss, z_loss) if return_z_loss else loss
+    return shaped_losses(loss, z_loss, target, reduction, return_z_loss)
