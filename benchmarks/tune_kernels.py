@@ -18,6 +18,7 @@ from triton.testing import do_bench
 
 import tigon.functional as tf
 from tigon.ops import cross_entropy as ce
+from tigon.ops import layer_norm as ln
 from tigon.ops import rms_norm as rn
 
 COPY_GBPS = 3019  # the anchors' measured copy ceiling on the H100
@@ -63,6 +64,49 @@ def tune_cross_entropy() -> None:
         if ms is not None:
             results.append((ms, dict(programs_per_sm=per_sm, block_v=block_v, warps=warps)))
     report("cross_entropy fwd (loss + in-place gradient) [8192, 128256] bf16", results, 3 * logits.numel() * 2)
+
+
+def tune_norm_bwd_sizes(hidden_sizes=(1024, 2048, 16384)) -> None:
+    """Both norms' backward over the swept hidden sizes, where one geometry may not fit all."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for hidden in hidden_sizes:
+        n_rows = 16384
+        x = torch.randn(n_rows, hidden, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        dy, dx = torch.randn_like(x), torch.empty_like(x)
+        _, mean, rstd = ln.layer_norm_fwd(x, w, w, 1e-5)
+        results = {"layer_norm": [], "rms_norm": []}
+        for per_sm, block_m, warps, stages in itertools.product((1, 2, 4), (1, 2, 4, 8, 16), (4, 8, 16), (1, 2)):
+            if not 4096 <= block_m * hidden <= 32768:
+                continue
+            n_programs = min(triton.cdiv(n_rows, block_m), sms * per_sm)
+            partial = torch.empty(n_programs, 2, hidden, device="cuda", dtype=torch.float32)
+            config = dict(programs_per_sm=per_sm, block_m=block_m, warps=warps, stages=stages)
+
+            def layer_norm():
+                ln.layer_norm_bwd_kernel[(n_programs,)](
+                    x, w, mean, rstd, dy, dx, partial[:, 0], partial[:, 1], n_rows, hidden,
+                    hidden, hidden, hidden, partial.stride(0), HAS_WEIGHT=True, COMPUTE_DW=True, COMPUTE_DB=True,
+                    BLOCK_M=block_m, BLOCK_N=hidden, NUM_STAGES=stages, num_warps=warps,
+                )
+                partial.sum(0)
+
+            def rms_norm():
+                rn.rms_norm_bwd_kernel[(n_programs,)](
+                    x, w, rstd, dy, dy, dx, partial[:, 0], n_rows, hidden, hidden, hidden, hidden, hidden, 0.0,
+                    HAS_DSUM=False, HAS_WEIGHT=True, COMPUTE_DW=True, BLOCK_M=block_m, BLOCK_N=hidden,
+                    num_warps=warps,
+                )
+                partial[:, 0].sum(0)
+
+            for name, launch in (("layer_norm", layer_norm), ("rms_norm", rms_norm)):
+                if name == "rms_norm" and stages > 1:
+                    continue
+                ms = time_config(launch)
+                if ms is not None:
+                    results[name].append((ms, config))
+        for name, found in results.items():
+            report(f"{name} bwd [16384, {hidden}] bf16", found, 3 * x.numel() * 2, top=4)
 
 
 def tune_rms_norm_bwd(with_residual: bool) -> None:
@@ -123,6 +167,7 @@ SWEEPS = {
     "rms_norm": lambda: tune_rms_norm_bwd(False),
     "fused_add_rms_norm": lambda: tune_rms_norm_bwd(True),
     "fused_linear_cross_entropy": tune_fused_linear_chunks,
+    "norm_sizes": tune_norm_bwd_sizes,
 }
 
 if __name__ == "__main__":

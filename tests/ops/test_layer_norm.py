@@ -7,9 +7,10 @@ from tigon.ops import layer_norm as layer_norm_ops
 from utils import DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
-    # The last two give the backward several programs, each looping over several row blocks.
-    cpu=[(7, 33), (3, 5, 128), (2, 300), (211, 40), (9, 5000)],
-    gpu=[(4096, 4096), (3, 1000, 5120), (257, 8192)],
+    # (211, 40) and (9, 5000) give the backward several programs, each looping over several row
+    # blocks; rows of 16K or more take the backward whose weight is reloaded at each step.
+    cpu=[(7, 33), (3, 5, 128), (2, 300), (211, 40), (9, 5000), (5, 16400)],
+    gpu=[(4096, 4096), (3, 1000, 5120), (257, 8192), (4096, 1024), (1000, 16384)],
 )
 
 

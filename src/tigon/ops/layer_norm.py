@@ -28,7 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, rows_per_block, tigon_op
+from tigon.ops._launch import (
+    as_rows,
+    norm_bwd_geometry,
+    num_programs_for,
+    row_launch_config,
+    rows_per_block,
+    tigon_op,
+)
 
 # Shared memory an SM gives to the backward's software pipeline (x and dy tiles in flight).
 _PIPELINE_SMEM_BYTES = 128 * 1024
@@ -83,7 +90,10 @@ def layer_norm_bwd_kernel(
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    if HAS_WEIGHT:
+    # Rows of 16K or more leave no registers for w beside x, dy, dw and db: it is then reloaded
+    # (from L2) at each step instead of being held.
+    W_IN_REGISTERS: tl.constexpr = BLOCK_N < 16384
+    if HAS_WEIGHT and W_IN_REGISTERS:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -101,6 +111,8 @@ def layer_norm_bwd_kernel(
 
         # Padding (rows or columns) has dy = 0, so it adds nothing to the sums below.
         x_hat = (x - mean[:, None]) * rstd[:, None]
+        if HAS_WEIGHT and not W_IN_REGISTERS:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         g = dy * w[None, :] if HAS_WEIGHT else dy
         if COMPUTE_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
@@ -133,12 +145,17 @@ class _BwdConfig(NamedTuple):
 def _bwd_launch_config(n_cols: int, element_size: int) -> _BwdConfig:
     """Tile and grid of the backward.
 
-    A loop step covers ~8K elements (two rows at H = 4096) with up to 16 warps, so every thread
-    moves 16-byte vectors and holds few enough registers for dw, db and w besides the tile. One
-    such program per SM keeps the [P, H] partial sums small (P = SM count); the pipeline depth
-    is what fits ``_PIPELINE_SMEM_BYTES`` (a depth of 1 means no pipelining).
+    At H = 4096 and 8192 a loop step covers ~8K elements (two rows at H = 4096) with 16 warps, so
+    every thread moves 16-byte vectors and holds few enough registers for dw, db and w besides the
+    tile; one such program per SM keeps the [P, H] partial sums small (P = SM count), and the
+    pipeline depth is what fits ``_PIPELINE_SMEM_BYTES``: 94% of the copy ceiling on the H100.
+    Narrower and wider rows take RMSNorm's swept geometry without pipelining (at H = 16384 the
+    pipelined 16-warp version spilled and ran at 11%).
     """
     block_n = triton.next_power_of_2(n_cols)
+    if not 4096 <= block_n <= 8192:
+        block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
+        return _BwdConfig(block_m, block_n, num_warps, programs_per_sm, 1)
     block_m = rows_per_block(n_cols, min_elements=8192)
     tile = block_m * block_n
     num_warps = min(16, max(4, tile // 512))

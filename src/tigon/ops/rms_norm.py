@@ -28,7 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, rows_per_block, tigon_op
+from tigon.ops._launch import (
+    as_rows,
+    norm_bwd_geometry,
+    num_programs_for,
+    row_launch_config,
+    rows_per_block,
+    tigon_op,
+)
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -168,12 +175,8 @@ def rms_norm_bwd(
     n_rows, n_cols = x2d.shape
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_n = triton.next_power_of_2(n_cols)
-    # Swept on the H100 at [16384, 4096] bf16 (benchmarks/tune_kernels.py): one program per
-    # multiprocessor holding 4 rows (16K elements) in flight, 8 warps (64 elements a thread),
-    # reaches 89% of the copy ceiling (92% with the residual's gradient); 4 warps spill.
-    block_m = rows_per_block(n_cols, min_elements=16384)
-    num_warps = max(4, min(16, block_m * block_n // 2048))
-    n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, 1)))
+    block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
+    n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, programs_per_sm)))
     compute_dw = weight is not None and weight_requires_grad
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else None
     rms_norm_bwd_kernel[(n_programs,)](
