@@ -1,5 +1,5 @@
 # Each target creates the virtual environment when it is missing, so a fresh clone needs only
-# `make check` (the main job) or `make test` (the test suite).
+# `make demo` (the main job) or `make test` (the test suite).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,6 +15,9 @@ $(BIN)/tigon: pyproject.toml
 	$(BIN)/pip install --quiet $(PINS)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
+
+demo: $(BIN)/tigon
+	$(BIN)/tigon demo
 
 check: $(BIN)/tigon
 	$(BIN)/tigon check
