@@ -14,7 +14,6 @@ import argparse
 import collections
 import cProfile
 import pstats
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,18 +23,6 @@ from tigon.bench.providers import load_providers
 from tigon.bench.specs import OPS
 
 STEPS = 5
-
-
-def host_ms(step) -> float:
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(STEPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def kernel_times(step) -> tuple[float, list[tuple[str, float]]]:
@@ -69,14 +56,14 @@ def main() -> None:
             torch.manual_seed(0)
             cases = runner.input_sets(lambda: spec.build(dims, torch.bfloat16, torch.device("cuda")), l2_bytes)
             runner._full_step(fn, cases[0])
-            bench_ms = runner._time_full(fn, cases)
+            bench_ms, _ = runner._time_full(fn, cases)
 
             def step():
                 runner._clear_grads(cases[:1])
                 runner._full_step(fn, cases[0])
 
             gpu_ms, kernels = kernel_times(step)
-            cpu_ms = host_ms(step)
+            cpu_ms = runner._host_ms(step)
             print(f"{op:28s} {name:8s} bench {bench_ms:7.3f} ms  kernels {gpu_ms:7.3f} ms  host {cpu_ms:6.3f} ms")
             for kernel, ms in kernels:
                 print(f"{'':40s}{ms:7.3f}  {kernel}")
