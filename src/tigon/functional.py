@@ -255,7 +255,7 @@ def fused_linear_cross_entropy(
     """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
 
     Tokens are processed in chunks whose logits fit in ``chunk_memory_bytes`` (default: see
-    :data:`tigon.ops.fused_linear_cross_entropy.DEFAULT_CHUNK_MEMORY_BYTES`), so the extra memory
+    :data:`tigon.ops.fused_linear.DEFAULT_CHUNK_MEMORY_BYTES`), so the extra memory
     does not grow with ``N``. Gradients flow to ``input``, ``bias`` and to ``weight`` when it
     requires grad (a frozen head, as with LoRA, costs no ``[V, H]`` gradient).
 

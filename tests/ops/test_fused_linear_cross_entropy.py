@@ -4,7 +4,7 @@ import torch
 import reference
 import tigon.functional as tf
 import tigon.nn
-from tigon.ops.fused_linear_cross_entropy import CHUNK_ROW_MULTIPLE, chunk_rows_for
+from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, chunk_rows_for
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
 
 # (token shape, H, V, rows per chunk): the chunk size never divides the token count, so the last

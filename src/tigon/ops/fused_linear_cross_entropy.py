@@ -1,13 +1,11 @@
 """Cross entropy of ``x @ Wᵀ (+ b)`` without ever holding the ``[N, V]`` logits.
 
-The tokens are processed in chunks of ``C`` rows whose logits fit in ``chunk_memory_bytes``; one
-``[C, V]`` buffer is reused by every chunk::
+The tokens are processed in chunks of ``C`` rows whose logits fit in ``chunk_memory_bytes``, by
+the chunk loop of :mod:`tigon.ops.fused_linear` with tigon's cross-entropy kernel as its head::
 
-    logits  = x_c @ Wᵀ (+ b)                   cuBLAS, fp32 accumulation, stored in x's dtype
-    loss_c, dlogits = cross_entropy(logits)    tigon's kernel, gradient written over the buffer
-    dx_c    = dlogits @ W
-    dW     += dlogits_cᵀ @ x_c                 (the first chunk writes, the others accumulate)
-    db     += Σ_rows dlogits                   fp32
+    logits  = x_c @ Wᵀ (+ b)
+    loss_c, dlogits = cross_entropy(logits)    gradient written over the logits buffer
+    dx_c = dlogits @ W,  dW += dlogitsᵀ @ x_c,  db += Σ_rows dlogits
 
 ``dlogits`` is the cross-entropy gradient of :mod:`tigon.ops.cross_entropy` (softcap, label
 smoothing, z-loss and ``ignore_index`` included), already divided by the number of non-ignored
@@ -36,70 +34,31 @@ from tigon.ops.cross_entropy import (
     reduce_rows,
     shaped_losses,
 )
-
-# Logits memory per chunk. Smaller chunks hold less but make the [V, H] weight gradient be read and
-# written once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
-DEFAULT_CHUNK_MEMORY_BYTES = 512 * 2**20
-# Chunks larger than this many rows are rounded down to a multiple of it, a whole number of
-# matmul tiles.
-CHUNK_ROW_MULTIPLE = 64
-
-
-def chunk_rows_for(n_rows: int, n_classes: int, element_size: int, chunk_memory_bytes: int | None) -> int:
-    """Rows per chunk: as many ``[V]`` logits rows as fit in ``chunk_memory_bytes``, at least 1."""
-    budget = DEFAULT_CHUNK_MEMORY_BYTES if chunk_memory_bytes is None else int(chunk_memory_bytes)
-    rows = max(1, budget // (n_classes * element_size))
-    if rows > CHUNK_ROW_MULTIPLE:
-        rows -= rows % CHUNK_ROW_MULTIPLE
-    return max(1, min(rows, n_rows))
+from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
 
 
 def _chunked_cross_entropy(
     x2d, weight, target, bias, grad_scale, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
     ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale=1.0,
 ):
-    """The chunk loop: writes ``loss [N]`` (and ``z_loss``) and, when any of them is given, the
-    gradients ``grad_input [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (fp32), each
-    gradient row of the logits multiplied by ``grad_scale`` (``[N]`` or ``None``) and every
-    gradient by ``matmul_scale``.
-
-    ``matmul_scale`` (``1 / n_valid`` for ``"mean"``) is applied by the matmuls in fp32 rather than
-    stored into ``dlogits``: in fp16, ``p / n_valid`` falls below the smallest subnormal (6e-8)
-    for a few thousand tokens and would flush to zero before the matmuls read it."""
-    n_rows = x2d.shape[0]
+    """Writes ``loss [N]`` (and ``z_loss``) and, when any of them is given, the gradients
+    ``grad_input [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (fp32), each gradient row of
+    the logits multiplied by ``grad_scale`` (``[N]`` or ``None``) and every gradient by
+    ``matmul_scale`` (``1 / n_valid`` for ``"mean"``)."""
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
-    logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
-    for start in range(0, n_rows, chunk_rows):
-        end = min(start + chunk_rows, n_rows)
-        x_chunk, logits = x2d[start:end], logits_buffer[: end - start]
-        if bias is None:
-            torch.mm(x_chunk, weight.t(), out=logits)
-        else:
-            torch.addmm(bias, x_chunk, weight.t(), out=logits)
+
+    def cross_entropy_head(ranges, logits):
+        ((start, end),) = ranges
         chunk_scale = grad_scale if grad_scale is None or grad_scale.numel() == 1 else grad_scale[start:end]
         launch_cross_entropy_fwd(
             logits, target[start:end], logits if compute_grad else None, chunk_scale,
             loss[start:end], None if z_loss is None else z_loss[start:end],
             ignore_index, label_smoothing, lse_square_scale, softcap,
         )
-        # From here on the buffer holds dlogits.
-        # beta = 0 ignores what the output held (torch.empty); alpha is applied in fp32.
-        if grad_input is not None:
-            grad_input[start:end].addmm_(logits, weight, beta=0, alpha=matmul_scale)
-        if grad_weight is not None:
-            grad_weight.addmm_(logits.t(), x_chunk, beta=0 if start == 0 else 1, alpha=matmul_scale)
-        if grad_bias is not None:
-            grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=matmul_scale)
 
-
-def _new_grads(x2d, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed):
-    """Gradient buffers for what is needed, ``None`` for the rest (``grad_bias`` accumulates in fp32)."""
-    # The first chunk's matmul writes grad_weight; without tokens there is no chunk to do it.
-    new_weight_like = torch.empty_like if x2d.shape[0] > 0 else torch.zeros_like
-    return (
-        torch.empty_like(x2d, memory_format=torch.contiguous_format) if grad_input_needed else None,
-        new_weight_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed else None,
-        torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias_needed else None,
+    fused_linear_chunks(
+        x2d, weight, bias, row_chunks(x2d.shape[0], chunk_rows), cross_entropy_head,
+        grad_input, grad_weight, grad_bias, matmul_scale,
     )
 
 
@@ -147,8 +106,8 @@ def fused_linear_cross_entropy_fwd(
     x2d, target = as_rows(input), target.reshape(-1)
     n_valid = check_targets(target, weight.shape[0], ignore_index)
     in_forward = reduction != "none"
-    grad_input, grad_weight, grad_bias = _new_grads(
-        x2d, weight, bias,
+    grad_input, grad_weight, grad_bias = new_grads(
+        x2d, weight,
         grad_input_needed and in_forward, grad_weight_needed and in_forward, grad_bias_needed and in_forward,
     )
     loss = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
@@ -177,8 +136,8 @@ def fused_linear_cross_entropy_bwd(
     """Backward of ``reduction="none"``: recomputes each chunk's logits and folds the per-token
     ``grad_loss [...]`` (fp32) into ``dlogits``. Returns the gradients as the forward op does."""
     x2d, target = as_rows(input), target.reshape(-1)
-    grad_input, grad_weight, grad_bias = _new_grads(
-        x2d, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed,
+    grad_input, grad_weight, grad_bias = new_grads(
+        x2d, weight, grad_input_needed, grad_weight_needed, grad_bias_needed,
     )
     scratch_loss = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
     _chunked_cross_entropy(

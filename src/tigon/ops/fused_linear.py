@@ -1,0 +1,139 @@
+"""The chunk loop behind every loss computed from ``x @ Wᵀ (+ b)`` without holding all the logits.
+
+The rows of ``x [N, H]`` are processed in chunks; one ``[C, V]`` buffer, reused by every chunk,
+holds the chunk's logits and then their gradient::
+
+    logits     = x_c @ Wᵀ (+ b)                   cuBLAS, fp32 accumulation, stored in x's dtype
+    row_scale  = head(chunk, logits)              the loss: computes the chunk's losses and
+                                                  writes dlogits over the logits
+    dx_c       = (dlogits @ W) · row_scale
+    dW        += dlogitsᵀ @ (x_c · row_scale)     (the first chunk writes, the others accumulate)
+    db        += row_scaleᵀ @ dlogits             fp32
+
+``row_scale`` (fp32 ``[C]``, or ``None`` for 1) is a factor per row that the head may only know
+after the logits have been reduced, such as a preference loss's derivative with respect to a
+whole sequence's log-probability: applying it to ``x_c`` and ``dx_c`` (``[C, H]``) rather than to
+``dlogits`` (``[C, V]``) spares a pass over the chunk's logits. ``matmul_scale`` multiplies every
+gradient, applied by the matmuls in fp32 (``1 / n_valid`` of a mean would otherwise be stored
+into 16-bit ``dlogits`` and flush small entries to zero).
+
+A chunk is one range of rows (a view of ``x``, no copy) or several ranges that must be in the same
+chunk, such as a preference pair's chosen and rejected sequences (gathered into one block, so that
+each chunk costs one matmul of each kind whatever its shape). Cost per chunk: ``6·C·H·V`` matmul
+FLOPs and one read and write of the ``[V, H]`` weight gradient by the accumulating matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+# Logits memory per chunk. Smaller chunks hold less but make the [V, H] weight gradient be read and
+# written once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
+DEFAULT_CHUNK_MEMORY_BYTES = 512 * 2**20
+# Chunks larger than this many rows are rounded down to a multiple of it, a whole number of
+# matmul tiles.
+CHUNK_ROW_MULTIPLE = 64
+
+RowRanges = Sequence[tuple[int, int]]
+# head(ranges, logits) → row_scale: computes the losses of the chunk's rows from their logits
+# [C, V] and writes dlogits over them (when gradients are wanted); returns [C] fp32 or None.
+ChunkHead = Callable[[RowRanges, torch.Tensor], torch.Tensor | None]
+
+
+def chunk_rows_for(n_rows: int, n_classes: int, element_size: int, chunk_memory_bytes: int | None) -> int:
+    """Rows per chunk: as many ``[V]`` logits rows as fit in ``chunk_memory_bytes``, at least 1."""
+    budget = DEFAULT_CHUNK_MEMORY_BYTES if chunk_memory_bytes is None else int(chunk_memory_bytes)
+    rows = max(1, budget // (n_classes * element_size))
+    if rows > CHUNK_ROW_MULTIPLE:
+        rows -= rows % CHUNK_ROW_MULTIPLE
+    return max(1, min(rows, n_rows))
+
+
+def row_chunks(n_rows: int, chunk_rows: int) -> list[RowRanges]:
+    """Consecutive chunks of ``chunk_rows`` rows, each one range."""
+    return [((start, min(start + chunk_rows, n_rows)),) for start in range(0, n_rows, chunk_rows)]
+
+
+def gather_rows(x2d: torch.Tensor, ranges: RowRanges) -> torch.Tensor:
+    """The rows of ``ranges`` as one block: a view for one range, a copy for several."""
+    if len(ranges) == 1:
+        start, end = ranges[0]
+        return x2d[start:end]
+    return torch.cat([x2d[start:end] for start, end in ranges])
+
+
+def scatter_rows(block: torch.Tensor, out: torch.Tensor, ranges: RowRanges) -> None:
+    """The inverse of :func:`gather_rows`: ``out[ranges] = block``."""
+    offset = 0
+    for start, end in ranges:
+        out[start:end].copy_(block[offset : offset + end - start])
+        offset += end - start
+
+
+def linear_logits(x_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+    """``out = x_chunk @ weightᵀ (+ bias)`` in place."""
+    if bias is None:
+        torch.mm(x_chunk, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x_chunk, weight.t(), out=out)
+    return out
+
+
+def new_grads(x2d, weight, grad_input_needed, grad_weight_needed, grad_bias_needed):
+    """Gradient buffers for what is needed, ``None`` for the rest (``grad_bias`` accumulates in fp32)."""
+    # The first chunk's matmul writes grad_weight; without rows there is no chunk to do it.
+    new_weight_like = torch.empty_like if x2d.shape[0] > 0 else torch.zeros_like
+    return (
+        torch.empty_like(x2d, memory_format=torch.contiguous_format) if grad_input_needed else None,
+        new_weight_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed else None,
+        torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias_needed else None,
+    )
+
+
+def fused_linear_chunks(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: Sequence[RowRanges],
+    head: ChunkHead, grad_input: torch.Tensor | None = None, grad_weight: torch.Tensor | None = None,
+    grad_bias: torch.Tensor | None = None, matmul_scale: float = 1.0,
+) -> None:
+    """Run ``head`` over the logits of every chunk and accumulate the gradients that are given.
+
+    Args:
+        x2d: ``[N, H]`` with unit column stride. weight: ``[V, H]``. bias: ``[V]`` or ``None``.
+        chunks: row ranges per chunk (:func:`row_chunks` for consecutive chunks).
+        head: see :data:`ChunkHead`; it must write dlogits whenever a gradient is given.
+        grad_input ``[N, H]``, grad_weight ``[V, H]``, grad_bias ``[V]`` fp32: outputs, or ``None``.
+            ``grad_input`` rows outside every chunk are left untouched; ``grad_weight`` is
+            overwritten by the first chunk.
+    """
+    compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
+    largest = max((sum(end - start for start, end in ranges) for ranges in chunks), default=0)
+    logits_buffer = x2d.new_empty((largest, weight.shape[0]))
+    for index, ranges in enumerate(chunks):
+        x_chunk = gather_rows(x2d, ranges)
+        logits = linear_logits(x_chunk, weight, bias, logits_buffer[: x_chunk.shape[0]])
+        row_scale = head(ranges, logits)
+        if not compute_grad:
+            continue
+        # From here on the buffer holds dlogits.
+        # beta = 0 ignores what an output held (torch.empty); alpha is applied in fp32.
+        if grad_input is not None:
+            if len(ranges) == 1 and row_scale is None:
+                start, end = ranges[0]
+                grad_input[start:end].addmm_(logits, weight, beta=0, alpha=matmul_scale)
+            else:
+                grad_chunk = torch.mm(logits, weight)
+                if row_scale is not None:
+                    grad_chunk.mul_(row_scale.unsqueeze(1) * matmul_scale)
+                elif matmul_scale != 1.0:
+                    grad_chunk.mul_(matmul_scale)
+                scatter_rows(grad_chunk, grad_input, ranges)
+        if grad_weight is not None:
+            scaled_x = x_chunk if row_scale is None else x_chunk * row_scale.unsqueeze(1).to(x_chunk.dtype)
+            grad_weight.addmm_(logits.t(), scaled_x, beta=0 if index == 0 else 1, alpha=matmul_scale)
+        if grad_bias is not None:
+            if row_scale is None:
+                grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=matmul_scale)
+            else:
+                grad_bias.add_(row_scale.to(logits.dtype) @ logits, alpha=matmul_scale)
