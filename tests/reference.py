@@ -103,3 +103,83 @@ def fused_linear_cross_entropy(input, weight, target, bias=None, **options):
     if bias is not None:
         logits = logits + bias
     return cross_entropy(logits, target, **options)
+
+
+# --- Preference (tigon.losses.preference) ----------------------------------------------------
+# TRL's formulas on logits built in full: the policy's summed log-probabilities per sequence, then
+# the loss of each trainer. Each returns (loss, summed logps [S]).
+
+
+def sequence_logps(input, weight, target, bias=None, ignore_index=-100):
+    logits = input @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    log_probs = logits.to(_compute_dtype(logits.dtype)).log_softmax(-1)
+    mask = target != ignore_index
+    token_logps = log_probs.gather(-1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
+    return (token_logps * mask).sum(-1)
+
+
+def _n_tokens(target, ignore_index):
+    return (target != ignore_index).sum(-1).clamp(min=1)
+
+
+def _chosen_nll(logps, target, ignore_index):
+    n_pairs = logps.shape[0] // 2
+    return -logps[:n_pairs].sum() / (target[:n_pairs] != ignore_index).sum().clamp(min=1)
+
+
+def _sigmoid_preference(logits, label_smoothing=0.0):
+    return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+
+
+def dpo_loss(input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, beta=0.1,
+             ignore_index=-100, compute_nll_loss=False):
+    logps = sequence_logps(input, weight, target, bias, ignore_index)
+    ref = torch.zeros_like(logps)
+    if ref_input is not None:
+        with torch.no_grad():
+            ref = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index).to(logps.dtype)
+    chosen, rejected = logps.chunk(2)
+    ref_chosen, ref_rejected = ref.chunk(2)
+    loss = -F.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).mean()
+    if compute_nll_loss:
+        loss = loss + _chosen_nll(logps, target, ignore_index)
+    return loss, logps
+
+
+def cpo_loss(input, weight, target, bias=None, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100):
+    logps = sequence_logps(input, weight, target, bias, ignore_index)
+    chosen, rejected = logps.chunk(2)
+    loss = _sigmoid_preference(beta * (chosen - rejected), label_smoothing).mean()
+    return loss + alpha * _chosen_nll(logps, target, ignore_index), logps
+
+
+def simpo_loss(input, weight, target, bias=None, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100):
+    logps = sequence_logps(input, weight, target, bias, ignore_index)
+    chosen, rejected = (logps / _n_tokens(target, ignore_index)).chunk(2)
+    return _sigmoid_preference(beta * (chosen - rejected) - gamma, label_smoothing).mean(), logps
+
+
+def orpo_loss(input, weight, target, bias=None, beta=0.1, ignore_index=-100):
+    logps = sequence_logps(input, weight, target, bias, ignore_index)
+    chosen, rejected = (logps / _n_tokens(target, ignore_index)).chunk(2)
+    log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+    return _chosen_nll(logps, target, ignore_index) - beta * F.logsigmoid(log_odds).mean(), logps
+
+
+def kto_loss(input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
+             kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100):
+    logps = sequence_logps(input, weight, target, bias, ignore_index)
+    ref = torch.zeros_like(logps)
+    if ref_input is not None:
+        with torch.no_grad():
+            ref = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index).to(logps.dtype)
+    baseline = 0.0 if kl is None else kl
+    log_ratios = logps - ref
+    losses = torch.where(
+        preference_labels,
+        desirable_weight * (1 - torch.sigmoid(beta * (log_ratios - baseline))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (baseline - log_ratios))),
+    )
+    return losses.mean(), logps
