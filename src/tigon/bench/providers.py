@@ -20,6 +20,8 @@ from tigon._reference import load_reference
 from tigon.bench.specs import OPS
 
 OpTable = dict[str, Callable[[dict[str, Any]], Any]]
+# Losses computed from hidden states in chunks, with their gradients, by tigon and Liger.
+LOSSES = ("dpo", "orpo", "simpo", "kto")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,19 @@ def _tigon() -> OpTable:
     table["cross_entropy"] = lambda a: tf.cross_entropy(a["logits"], a["target"], inplace_backward=True)
     table["swiglu"] = lambda a: tf.swiglu(a["gate"], a["up"], inplace_backward=True)
     table["geglu"] = lambda a: tf.geglu(a["gate"], a["up"], inplace_backward=True)
+    table.update(_tigon_losses())
     return table
+
+
+def _tigon_losses() -> OpTable:
+    import tigon.losses as tl
+
+    return {
+        "dpo": lambda a: tl.fused_linear_dpo(**a)[0],
+        "orpo": lambda a: tl.fused_linear_orpo(**a)[0],
+        "simpo": lambda a: tl.fused_linear_simpo(**a)[0],
+        "kto": lambda a: tl.fused_linear_kto(**a)[0],
+    }
 
 
 def _torch() -> OpTable:
@@ -88,6 +102,29 @@ def _liger() -> OpTable:
         "fused_linear_cross_entropy": lambda a: lf.liger_fused_linear_cross_entropy(
             a["input"], a["weight"], a["target"]
         ),
+        **_liger_losses(),
+    }
+
+
+def _liger_losses() -> OpTable:
+    from liger_kernel.chunked_loss import (
+        LigerFusedLinearDPOLoss,
+        LigerFusedLinearKTOLoss,
+        LigerFusedLinearORPOLoss,
+        LigerFusedLinearSimPOLoss,
+    )
+
+    # Options set to the same formulas as tigon's defaults (Liger's SimPO adds α·NLL by default).
+    dpo, orpo = LigerFusedLinearDPOLoss(beta=0.1), LigerFusedLinearORPOLoss(beta=0.1)
+    simpo = LigerFusedLinearSimPOLoss(beta=2.0, gamma=0.5, alpha=0.0)
+    kto = LigerFusedLinearKTOLoss(beta=0.1)
+    return {
+        "dpo": lambda a: dpo(a["weight"], a["input"], a["target"], None, a["ref_input"], a["ref_weight"])[0],
+        "orpo": lambda a: orpo(a["weight"], a["input"], a["target"])[0],
+        "simpo": lambda a: simpo(a["weight"], a["input"], a["target"])[0],
+        "kto": lambda a: kto(
+            a["input"], a["weight"], a["target"], None, a["preference_labels"], a["ref_input"], a["ref_weight"],
+        )[0],
     }
 
 
@@ -111,12 +148,12 @@ def _quack() -> OpTable:
 PROVIDERS: dict[str, Provider] = {
     provider.name: provider
     for provider in (
-        Provider("tigon", _tigon, grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy"})),
+        Provider("tigon", _tigon, grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", *LOSSES})),
         Provider("torch", _torch),
         Provider("torch.compile", _torch_compile, in_smoke_run=False),
         Provider(
             "liger", _liger, distribution="liger-kernel", needs_gpu=True,
-            grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy"}),
+            grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", *LOSSES}),
         ),
         Provider("cce", _cut_cross_entropy, distribution="cut-cross-entropy", needs_gpu=True),
         Provider("quack", _quack, distribution="quack-kernels", needs_gpu=True),

@@ -138,6 +138,42 @@ def _fused_linear_case(dims, dtype, device):
     return Case(args, (None,))
 
 
+def _preference_case(paired: bool, with_reference: bool):
+    """A preference batch as the trainers hand it over: ``S`` sequences of ``T`` tokens (``B``
+    pairs, or ``B`` unpaired sequences), prompts masked, the policy head trainable and the
+    reference model's hidden states and head frozen."""
+
+    def build(dims, dtype, device):
+        n_sequences = 2 * dims["B"] if paired else dims["B"]
+        seq_len, hidden, vocab = dims["T"], dims["H"], dims["V"]
+        target = torch.randint(0, vocab, (n_sequences, seq_len), device=device)
+        target[:, : seq_len // 4] = -100
+        args = {
+            "input": _randn((n_sequences, seq_len, hidden), dtype, device, True),
+            "weight": _randn((vocab, hidden), dtype, device, True, scale=hidden**-0.5),
+            "target": target,
+        }
+        if with_reference:
+            args["ref_input"] = _randn((n_sequences, seq_len, hidden), dtype, device)
+            args["ref_weight"] = _randn((vocab, hidden), dtype, device, scale=hidden**-0.5)
+        if not paired:
+            args["preference_labels"] = torch.arange(n_sequences, device=device) % 2 == 0
+        return Case(args, (None,))
+
+    return build
+
+
+def _preference_flops(with_reference: bool, paired: bool):
+    # The policy's logits forward and both matmuls of backward, as the fused linear cross entropy,
+    # plus the reference's logits (forward only).
+    def work(dims, element_size):
+        n_sequences = 2 * dims["B"] if paired else dims["B"]
+        nhv = n_sequences * dims["T"] * dims["H"] * dims["V"]
+        return 2 * nhv * (2 if with_reference else 1), 4 * nhv
+
+    return work
+
+
 def _elements(*names):
     return lambda dims: math.prod(dims[name] for name in names)
 
@@ -161,6 +197,9 @@ def _fused_linear_flops(dims, element_size):
 
 
 VOCAB_SIZES = (32000, 65536, 128256, 151936, 262144)
+# The preference losses at issue 5's shape: B = 4 pairs (8 sequences), H = 4096, V = 128256.
+PREFERENCE_SWEEP = Sweep("T", (512, 1024, 2048), 1024, {"B": 4, "H": 4096, "V": 128256})
+PREFERENCE_SMOKE = Sweep("T", (7, 12), 12, {"B": 2, "H": 32, "V": 300})
 
 
 NORM_SWEEP = Sweep("H", (1024, 2048, 4096, 8192, 16384), 4096, {"rows": 16384})
@@ -235,6 +274,29 @@ OPS: dict[str, OpSpec] = {
             call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"]),
             work=_fused_linear_flops,
             unit=FLOPS,
+        ),
+        # Preference losses (the reference functions' names; tigon's provider maps them to
+        # tigon.losses). The loss alone is timed; metrics are computed and returned by all.
+        OpSpec(
+            "dpo", "x [2·{B}, {T}, {H}], W [{V}, {H}], reference model",
+            sweep=PREFERENCE_SWEEP, smoke=PREFERENCE_SMOKE, build=_preference_case(True, True),
+            call=lambda f, a: f.dpo_loss(**a)[0], work=_preference_flops(True, True), unit=FLOPS,
+        ),
+        OpSpec(
+            "orpo", "x [2·{B}, {T}, {H}], W [{V}, {H}]",
+            sweep=PREFERENCE_SWEEP, smoke=PREFERENCE_SMOKE, build=_preference_case(True, False),
+            call=lambda f, a: f.orpo_loss(**a)[0], work=_preference_flops(False, True), unit=FLOPS,
+        ),
+        OpSpec(
+            "simpo", "x [2·{B}, {T}, {H}], W [{V}, {H}]",
+            sweep=PREFERENCE_SWEEP, smoke=PREFERENCE_SMOKE, build=_preference_case(True, False),
+            call=lambda f, a: f.simpo_loss(**a)[0], work=_preference_flops(False, True), unit=FLOPS,
+        ),
+        OpSpec(
+            "kto", "x [{B}, {T}, {H}] unpaired, W [{V}, {H}], reference model",
+            sweep=Sweep("T", PREFERENCE_SWEEP.sizes, PREFERENCE_SWEEP.headline, {**PREFERENCE_SWEEP.dims, "B": 8}),
+            smoke=PREFERENCE_SMOKE, build=_preference_case(False, True),
+            call=lambda f, a: f.kto_loss(**a)[0], work=_preference_flops(True, False), unit=FLOPS,
         ),
     )
 }
