@@ -183,3 +183,54 @@ def kto_loss(input, weight, target, preference_labels, bias=None, ref_input=None
         undesirable_weight * (1 - torch.sigmoid(beta * (baseline - log_ratios))),
     )
     return losses.mean(), logps
+
+
+# --- Distillation (tigon.losses.distillation) --------------------------------------------------
+# The divergences written out on full rows (TRL's generalized JSD for jsd); rows whose label is
+# ignore_index are left out of sums and means, a mean over no rows is 0.
+
+
+def kl_div(input, target, reduction="mean", log_target=False):
+    compute = _compute_dtype(input.dtype)
+    loss = F.kl_div(input.to(compute), target.to(compute), reduction=reduction, log_target=log_target)
+    return loss.to(input.dtype) if reduction == "none" else loss
+
+
+def _valid_rows(input, labels, ignore_index):
+    if labels is None:
+        return torch.ones(input.shape[:-1], dtype=torch.bool, device=input.device)
+    return labels != ignore_index
+
+
+def jsd(input, target, labels=None, beta=0.5, ignore_index=-100):
+    compute = _compute_dtype(input.dtype)
+    s, t = input.to(compute), target.to(compute)
+    if beta == 0:
+        pointwise = t.exp() * (t - s)
+    elif beta == 1:
+        pointwise = s.exp() * (s - t)
+    else:
+        mixture = torch.log((1 - beta) * s.exp() + beta * t.exp())
+        pointwise = beta * t.exp() * (t - mixture) + (1 - beta) * s.exp() * (s - mixture)
+    valid = _valid_rows(input, labels, ignore_index)
+    return torch.where(valid, pointwise.sum(-1), 0).sum() / valid.sum().clamp(min=1)
+
+
+def tvd(input, target, labels=None, reduction="batchmean", ignore_index=-100):
+    compute = _compute_dtype(input.dtype)
+    valid = _valid_rows(input, labels, ignore_index)
+    pointwise = torch.where(valid.unsqueeze(-1), 0.5 * (input.to(compute) - target.to(compute)).abs(), 0)
+    if reduction == "none":
+        return pointwise.to(input.dtype)
+    n_valid = valid.sum().clamp(min=1)
+    divisor = {"sum": 1, "batchmean": n_valid, "mean": n_valid * input.shape[-1]}[reduction]
+    return pointwise.sum() / divisor
+
+
+def fused_linear_jsd(input, weight, teacher_input, teacher_weight, labels=None, beta=0.5, ignore_index=-100,
+                     temperature=1.0):
+    compute = _compute_dtype(input.dtype)
+    student = (input @ weight.T).to(compute) / temperature
+    with torch.no_grad():
+        teacher = (teacher_input @ teacher_weight.T).to(compute) / temperature
+    return jsd(student.log_softmax(-1), teacher.log_softmax(-1), labels, beta, ignore_index)
