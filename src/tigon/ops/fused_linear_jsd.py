@@ -60,6 +60,13 @@ def _online_logsumexp(running_max, sum_exp, z):
 
 
 @triton.jit
+def _log_probs(logits_row, offs, mask, inv_temperature, shift, log_sum):
+    """One block of ``log_softmax(z / T)`` given the row's log-sum-exp as ``shift + log_sum``."""
+    z = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
+    return (z * inv_temperature - shift) - log_sum
+
+
+@triton.jit
 def jsd_from_logits_fwd_kernel(
     STUDENT, TEACHER, LABELS, LOSS,
     n_rows, n_cols,
@@ -115,10 +122,8 @@ def jsd_from_logits_fwd_kernel(
             for start in range(0, n_cols, BLOCK_V):
                 offs = start + cols
                 mask = offs < n_cols
-                z = tl.load(student_row + offs, mask=mask, other=0.0).to(tl.float32)
-                u = tl.load(teacher_row + offs, mask=mask, other=0.0).to(tl.float32)
-                s = (z * inv_temperature - student_shift) - student_log_sum
-                t = (u * inv_temperature - teacher_shift) - teacher_log_sum
+                s = _log_probs(student_row, offs, mask, inv_temperature, student_shift, student_log_sum)
+                t = _log_probs(teacher_row, offs, mask, inv_temperature, teacher_shift, teacher_log_sum)
                 loss, grad_s, _ = pointwise_divergence(s, t, beta, DIVERGENCE)
                 row_loss += tl.sum(tl.where(mask, loss, 0.0), axis=0)
                 grad_sum += tl.sum(tl.where(mask, grad_s, 0.0), axis=0)
@@ -130,10 +135,8 @@ def jsd_from_logits_fwd_kernel(
                 for block in range(0, n_blocks):
                     offs = (n_blocks - 1 - block) * BLOCK_V + cols
                     mask = offs < n_cols
-                    z = tl.load(student_row + offs, mask=mask, other=0.0).to(tl.float32)
-                    u = tl.load(teacher_row + offs, mask=mask, other=0.0).to(tl.float32)
-                    s = (z * inv_temperature - student_shift) - student_log_sum
-                    t = (u * inv_temperature - teacher_shift) - teacher_log_sum
+                    s = _log_probs(student_row, offs, mask, inv_temperature, student_shift, student_log_sum)
+                    t = _log_probs(teacher_row, offs, mask, inv_temperature, teacher_shift, teacher_log_sum)
                     _, grad_s, _ = pointwise_divergence(s, t, beta, DIVERGENCE)
                     grad_z = (grad_s - tl.exp(s) * grad_sum) * inv_temperature
                     tl.store(student_row + offs, grad_z.to(STUDENT.dtype.element_ty), mask=mask)
