@@ -20,8 +20,8 @@ from tigon._reference import load_reference
 from tigon.bench.specs import OPS
 
 OpTable = dict[str, Callable[[dict[str, Any]], Any]]
-# Losses computed from hidden states in chunks, with their gradients, by tigon and Liger.
-LOSSES = ("dpo", "orpo", "simpo", "kto")
+# Losses whose gradients tigon and Liger compute during forward.
+LOSSES = ("kl_div", "jsd", "tvd", "fused_linear_jsd", "dpo", "orpo", "simpo", "kto")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ def _tigon_losses() -> OpTable:
     import tigon.losses as tl
 
     return {
+        "kl_div": lambda a: tl.kl_div(a["input"], a["target"], reduction="batchmean"),
+        "jsd": lambda a: tl.jsd(a["input"], a["target"]),
+        "tvd": lambda a: tl.tvd(a["input"], a["target"]),
+        "fused_linear_jsd": lambda a: tl.fused_linear_jsd(**a),
         "dpo": lambda a: tl.fused_linear_dpo(**a)[0],
         "orpo": lambda a: tl.fused_linear_orpo(**a)[0],
         "simpo": lambda a: tl.fused_linear_simpo(**a)[0],
@@ -107,6 +111,7 @@ def _liger() -> OpTable:
 
 
 def _liger_losses() -> OpTable:
+    from liger_kernel.transformers import functional as lf
     from liger_kernel.chunked_loss import (
         LigerFusedLinearDPOLoss,
         LigerFusedLinearKTOLoss,
@@ -119,6 +124,12 @@ def _liger_losses() -> OpTable:
     simpo = LigerFusedLinearSimPOLoss(beta=2.0, gamma=0.5, alpha=0.0)
     kto = LigerFusedLinearKTOLoss(beta=0.1)
     return {
+        "kl_div": lambda a: lf.liger_kl_div(a["input"], a["target"], reduction="batchmean"),
+        "jsd": lambda a: lf.liger_jsd(a["input"], a["target"]),
+        "tvd": lambda a: lf.liger_tvd(a["input"], a["target"], reduction="batchmean"),
+        "fused_linear_jsd": lambda a: lf.liger_fused_linear_jsd(
+            a["input"], a["weight"], a["teacher_input"], a["teacher_weight"]
+        ),
         "dpo": lambda a: dpo(a["weight"], a["input"], a["target"], None, a["ref_input"], a["ref_weight"])[0],
         "orpo": lambda a: orpo(a["weight"], a["input"], a["target"])[0],
         "simpo": lambda a: simpo(a["weight"], a["input"], a["target"])[0],

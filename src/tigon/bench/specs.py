@@ -174,6 +174,43 @@ def _preference_flops(with_reference: bool, paired: bool):
     return work
 
 
+def _distribution_case(input_kind: str, target_kind: str):
+    """Student and teacher distributions over ``V`` for ``rows`` tokens, as log-probs or probs;
+    the student's requires grad."""
+
+    def distribution(rows, vocab, kind, dtype, device, requires_grad=False):
+        log_probs = torch.randn((rows, vocab), device=device).log_softmax(-1)
+        values = log_probs if kind == "log_probs" else log_probs.exp()
+        return values.to(dtype).requires_grad_(requires_grad)
+
+    def build(dims, dtype, device):
+        rows, vocab = dims["rows"], dims["V"]
+        args = {
+            "input": distribution(rows, vocab, input_kind, dtype, device, True),
+            "target": distribution(rows, vocab, target_kind, dtype, device),
+        }
+        return Case(args, (None,))
+
+    return build
+
+
+def _fused_linear_distillation_case(dims, dtype, device):
+    rows, hidden, vocab = dims["rows"], dims["H"], dims["V"]
+    args = {
+        "input": _randn((rows, hidden), dtype, device, True),
+        "weight": _randn((vocab, hidden), dtype, device, True, scale=hidden**-0.5),
+        "teacher_input": _randn((rows, hidden), dtype, device),
+        "teacher_weight": _randn((vocab, hidden), dtype, device, scale=hidden**-0.5),
+    }
+    return Case(args, (None,))
+
+
+def _fused_linear_distillation_flops(dims, element_size):
+    # Forward: the student's and the teacher's logits. Backward: the student's two matmuls.
+    nhv = dims["rows"] * dims["H"] * dims["V"]
+    return 4 * nhv, 4 * nhv
+
+
 def _elements(*names):
     return lambda dims: math.prod(dims[name] for name in names)
 
@@ -273,6 +310,32 @@ OPS: dict[str, OpSpec] = {
             build=_fused_linear_case,
             call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"]),
             work=_fused_linear_flops,
+            unit=FLOPS,
+        ),
+        # Distillation: forward reads the student's and the teacher's rows, backward writes the
+        # student's gradient (the teacher is a constant). Both distributions are given in full.
+        *(
+            OpSpec(
+                name, "student, teacher [{rows}, {V}]",
+                sweep=Sweep("V", VOCAB_SIZES, 128256, {"rows": 8192}),
+                smoke=Sweep("V", (500, 1000), 1000, {"rows": 32}),
+                build=_distribution_case(*kinds),
+                call=call,
+                work=_tensor_passes(_elements("rows", "V"), 2, 1),
+            )
+            for name, kinds, call in (
+                ("kl_div", ("log_probs", "probs"), lambda f, a: f.kl_div(a["input"], a["target"], reduction="batchmean")),
+                ("jsd", ("log_probs", "log_probs"), lambda f, a: f.jsd(a["input"], a["target"])),
+                ("tvd", ("probs", "probs"), lambda f, a: f.tvd(a["input"], a["target"])),
+            )
+        ),
+        OpSpec(
+            "fused_linear_jsd", "x, x_teacher [{rows}, {H}], W, W_teacher [{V}, {H}]",
+            sweep=Sweep("V", (32000, 128256), 128256, {"rows": 8192, "H": 4096}),
+            smoke=Sweep("V", (500, 1000), 1000, {"rows": 32, "H": 64}),
+            build=_fused_linear_distillation_case,
+            call=lambda f, a: f.fused_linear_jsd(**a),
+            work=_fused_linear_distillation_flops,
             unit=FLOPS,
         ),
         # Preference losses (the reference functions' names; tigon's provider maps them to

@@ -1,8 +1,20 @@
 """Post-training losses computed from hidden states and the LM head, without the logits.
 
 Preference optimisation (:mod:`tigon.losses.preference`): DPO, CPO, SimPO, ORPO, KTO.
+Distillation (:mod:`tigon.losses.distillation`): KL divergence, generalized JSD, total variation
+distance, and the JSD of two models' heads computed without their logits.
 """
 
+from tigon.losses.distillation import (
+    FusedLinearJSDLoss,
+    JSDLoss,
+    KLDivLoss,
+    TVDLoss,
+    fused_linear_jsd,
+    jsd,
+    kl_div,
+    tvd,
+)
 from tigon.losses.preference import (
     FusedLinearCPOLoss,
     FusedLinearDPOLoss,
@@ -18,6 +30,14 @@ from tigon.losses.preference import (
 )
 
 __all__ = [
+    "FusedLinearJSDLoss",
+    "JSDLoss",
+    "KLDivLoss",
+    "TVDLoss",
+    "fused_linear_jsd",
+    "jsd",
+    "kl_div",
+    "tvd",
     "FusedLinearCPOLoss",
     "FusedLinearDPOLoss",
     "FusedLinearKTOLoss",
