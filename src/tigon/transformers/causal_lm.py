@@ -1,13 +1,22 @@
 """One loss path for every causal LM: the original forward, then tigon's loss.
 
-In training with ``labels``, the wrapped forward runs the model's own forward without labels while
-a pre-hook on the output embeddings (``lm_head``) keeps the hidden states it receives (already
-cut by ``logits_to_keep``) and hands it an empty slice instead, so no ``[N, V]`` logits are
-built. The hook is registered once (when a model is built or patched, or else at its first call)
-and stays idle unless the wrapper asks for the input: registering nothing per call keeps the
-forward traceable by ``torch.compile(fullgraph=True)``.
+In training with ``labels``, the wrapped forward runs the model's own forward without labels and
+asks the output embeddings (``lm_head``) for the loss instead of the logits: a pre-hook on
+``lm_head`` computes the loss from the hidden states it receives (already cut by
+``logits_to_keep``) and its weight, then hands ``lm_head`` an empty slice of them, so no ``[N, V]``
+logits are built. The hook is registered once (when a model is built or patched, or else at its
+first call) and stays idle unless the wrapper asks: registering nothing per call keeps the forward
+traceable by ``torch.compile(fullgraph=True)``.
 
-The loss is then computed as Hugging Face's ``ForCausalLMLoss`` does, with the same options, from
+The loss is computed at ``lm_head``'s call because that is where every engine presents its weight
+whole, with no gathering by tigon: FSDP2 unshards a module's parameters in a pre-hook registered
+ahead of all others, and reshards them after its forward when ``lm_head`` is a unit of its own
+(read later, the weight would be a DTensor shard); DeepSpeed ZeRO-3 gathers a parameter read
+during the model's forward and registers it with the module running, whose backward gathers it
+again; DDP and one process see the plain weight anyway. The fused loss computes the weight's
+gradient in the forward pass, so backward never needs the weight gathered again.
+
+The loss is computed as Hugging Face's ``ForCausalLMLoss`` does, with the same options, from
 those hidden states and ``lm_head``'s weight by tigon's fused linear cross entropy (or, with
 ``cross_entropy=True``, from the model's logits by tigon's cross entropy):
 
@@ -75,18 +84,21 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
 
         if loss == "fused_linear_cross_entropy":
             head = output_embeddings(self, family)
-            keep_head_input(head)
-            head.tigon_kept_input = kept = []
+            hook_head_loss(head)
+            head.tigon_loss_request = request = dict(
+                config=self.config, family=family, targets=targets, ignore_index=ignore_index,
+                reduction=reduction, losses=[],
+            )
             try:
                 output = forward(*call.args, **call.kwargs)
             finally:
-                head.tigon_kept_input = None
-            if len(kept) != 1:
+                head.tigon_loss_request = None
+            if len(request["losses"]) != 1:
                 raise RuntimeError(
-                    f"tigon: {family.causal_lm}.forward called its output embeddings {len(kept)} times, "
-                    "expected once; pass fused_linear_cross_entropy=False"
+                    f"tigon: {family.causal_lm}.forward called its output embeddings {len(request['losses'])} "
+                    "times, expected once; pass fused_linear_cross_entropy=False"
                 )
-            loss_value = _fused_loss(self.config, family, kept[0], head, targets, ignore_index, reduction)
+            loss_value = request["losses"][0]
         else:
             output = forward(*call.args, **call.kwargs)
             logits = output.logits
@@ -111,18 +123,18 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     return tigon_forward
 
 
-def keep_head_input_after_init(post_init, family: Family):
+def hook_head_loss_after_init(post_init, family: Family):
     """``post_init`` (which every Hugging Face model calls at the end of ``__init__``) followed by
-    :func:`keep_head_input`, so that models built after a patch have the hook from the start."""
+    :func:`hook_head_loss`, so that models built after a patch have the hook from the start."""
     post_init = getattr(post_init, "tigon_wraps", post_init)
 
     @functools.wraps(post_init)
-    def post_init_then_keep_head_input(self):
+    def post_init_then_hook_head_loss(self):
         post_init(self)
-        keep_head_input(output_embeddings(self, family))
+        hook_head_loss(output_embeddings(self, family))
 
-    post_init_then_keep_head_input.tigon_wraps = post_init
-    return post_init_then_keep_head_input
+    post_init_then_hook_head_loss.tigon_wraps = post_init
+    return post_init_then_hook_head_loss
 
 
 def output_embeddings(model, family: Family):
@@ -139,21 +151,27 @@ def output_embeddings(model, family: Family):
     return head
 
 
-def keep_head_input(head) -> None:
-    """Register, once, the pre-hook through which the wrapped forward takes ``head``'s input."""
-    if not hasattr(head, "tigon_kept_input"):
-        head.tigon_kept_input = None
-        head.register_forward_pre_hook(_keep_input_when_asked)
+def hook_head_loss(head) -> None:
+    """Register, once, the pre-hook through which the wrapped forward gets ``head``'s loss."""
+    if not hasattr(head, "tigon_loss_request"):
+        head.tigon_loss_request = None
+        head.register_forward_pre_hook(_loss_when_asked)
 
 
-def _keep_input_when_asked(head, args):
-    """While ``head.tigon_kept_input`` is a list, append the input to it and hand ``head`` an empty
-    slice of it (no positions), so that it computes no logits; otherwise change nothing."""
-    kept = head.tigon_kept_input
-    if kept is None:
+def _loss_when_asked(head, args):
+    """While ``head.tigon_loss_request`` is set, append to its ``losses`` the loss of ``head``'s
+    input and weight, and hand ``head`` an empty slice of the input (no positions), so that it
+    computes no logits; otherwise change nothing."""
+    request = head.tigon_loss_request
+    if request is None:
         return None
     hidden_states = args[0]
-    kept.append(hidden_states)
+    request["losses"].append(
+        _fused_loss(
+            request["config"], request["family"], hidden_states, head, request["targets"],
+            request["ignore_index"], request["reduction"],
+        )
+    )
     return (hidden_states.narrow(-2, 0, 0), *args[1:])
 
 

@@ -25,8 +25,8 @@ import transformers
 
 from tigon.transformers import layers
 from tigon.transformers.causal_lm import (
-    keep_head_input,
-    keep_head_input_after_init,
+    hook_head_loss,
+    hook_head_loss_after_init,
     output_embeddings,
     wrap_causal_lm_forward,
 )
@@ -129,12 +129,12 @@ def apply_family(
         if model is None:
             causal_lm.forward = wrap_causal_lm_forward(causal_lm.forward, family, loss)
             if loss == "fused_linear_cross_entropy":
-                causal_lm.post_init = keep_head_input_after_init(causal_lm.post_init, family)
+                causal_lm.post_init = hook_head_loss_after_init(causal_lm.post_init, family)
         elif isinstance(hf_model, causal_lm):
             forward = wrap_causal_lm_forward(type(hf_model).forward, family, loss)
             hf_model.forward = types.MethodType(forward, hf_model)
             if loss == "fused_linear_cross_entropy":
-                keep_head_input(output_embeddings(hf_model, family))
+                hook_head_loss(output_embeddings(hf_model, family))
     return model
 
 
