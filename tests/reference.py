@@ -110,10 +110,21 @@ def fused_linear_cross_entropy(input, weight, target, bias=None, **options):
 # the loss of each trainer. Each returns (loss, summed logps [S]).
 
 
-def sequence_logps(input, weight, target, bias=None, ignore_index=-100):
+def head_logits(input, weight, bias=None, logits_dtype=None):
+    """``input @ weightᵀ (+ bias)``; with ``logits_dtype``, the values rounded to that dtype as a
+    model's head stores them (the gradient passes through the rounding unchanged). Losses of whole
+    sequences sum thousands of log-probs, so the rounding of 16-bit logits moves them by far more
+    than the per-token tolerance: the truth for a 16-bit op is the exact loss of its rounded logits."""
     logits = input @ weight.T
     if bias is not None:
         logits = logits + bias
+    if logits_dtype is None:
+        return logits
+    return logits + (logits.to(logits_dtype).to(logits.dtype) - logits).detach()
+
+
+def sequence_logps(input, weight, target, bias=None, ignore_index=-100, logits_dtype=None):
+    logits = head_logits(input, weight, bias, logits_dtype)
     log_probs = logits.to(_compute_dtype(logits.dtype)).log_softmax(-1)
     mask = target != ignore_index
     token_logps = log_probs.gather(-1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
@@ -134,12 +145,12 @@ def _sigmoid_preference(logits, label_smoothing=0.0):
 
 
 def dpo_loss(input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, beta=0.1,
-             ignore_index=-100, compute_nll_loss=False):
-    logps = sequence_logps(input, weight, target, bias, ignore_index)
+             ignore_index=-100, compute_nll_loss=False, logits_dtype=None):
+    logps = sequence_logps(input, weight, target, bias, ignore_index, logits_dtype)
     ref = torch.zeros_like(logps)
     if ref_input is not None:
         with torch.no_grad():
-            ref = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index).to(logps.dtype)
+            ref = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index, logits_dtype).to(logps.dtype)
     chosen, rejected = logps.chunk(2)
     ref_chosen, ref_rejected = ref.chunk(2)
     loss = -F.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).mean()
@@ -148,33 +159,33 @@ def dpo_loss(input, weight, target, bias=None, ref_input=None, ref_weight=None, 
     return loss, logps
 
 
-def cpo_loss(input, weight, target, bias=None, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100):
-    logps = sequence_logps(input, weight, target, bias, ignore_index)
+def cpo_loss(input, weight, target, bias=None, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, logits_dtype=None):
+    logps = sequence_logps(input, weight, target, bias, ignore_index, logits_dtype)
     chosen, rejected = logps.chunk(2)
     loss = _sigmoid_preference(beta * (chosen - rejected), label_smoothing).mean()
     return loss + alpha * _chosen_nll(logps, target, ignore_index), logps
 
 
-def simpo_loss(input, weight, target, bias=None, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100):
-    logps = sequence_logps(input, weight, target, bias, ignore_index)
+def simpo_loss(input, weight, target, bias=None, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100, logits_dtype=None):
+    logps = sequence_logps(input, weight, target, bias, ignore_index, logits_dtype)
     chosen, rejected = (logps / _n_tokens(target, ignore_index)).chunk(2)
     return _sigmoid_preference(beta * (chosen - rejected) - gamma, label_smoothing).mean(), logps
 
 
-def orpo_loss(input, weight, target, bias=None, beta=0.1, ignore_index=-100):
-    logps = sequence_logps(input, weight, target, bias, ignore_index)
+def orpo_loss(input, weight, target, bias=None, beta=0.1, ignore_index=-100, logits_dtype=None):
+    logps = sequence_logps(input, weight, target, bias, ignore_index, logits_dtype)
     chosen, rejected = (logps / _n_tokens(target, ignore_index)).chunk(2)
     log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
     return _chosen_nll(logps, target, ignore_index) - beta * F.logsigmoid(log_odds).mean(), logps
 
 
 def kto_loss(input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
-             kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100):
-    logps = sequence_logps(input, weight, target, bias, ignore_index)
+             kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100, logits_dtype=None):
+    logps = sequence_logps(input, weight, target, bias, ignore_index, logits_dtype)
     ref = torch.zeros_like(logps)
     if ref_input is not None:
         with torch.no_grad():
-            ref = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index).to(logps.dtype)
+            ref = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index, logits_dtype).to(logps.dtype)
     baseline = 0.0 if kl is None else kl
     log_ratios = logps - ref
     losses = torch.where(
@@ -228,9 +239,9 @@ def tvd(input, target, labels=None, reduction="batchmean", ignore_index=-100):
 
 
 def fused_linear_jsd(input, weight, teacher_input, teacher_weight, labels=None, beta=0.5, ignore_index=-100,
-                     temperature=1.0):
+                     temperature=1.0, logits_dtype=None, teacher_logits_dtype=None):
     compute = _compute_dtype(input.dtype)
-    student = (input @ weight.T).to(compute) / temperature
+    student = head_logits(input, weight, logits_dtype=logits_dtype).to(compute) / temperature
     with torch.no_grad():
-        teacher = (teacher_input @ teacher_weight.T).to(compute) / temperature
+        teacher = head_logits(teacher_input, teacher_weight, logits_dtype=teacher_logits_dtype).to(compute) / temperature
     return jsd(student.log_softmax(-1), teacher.log_softmax(-1), labels, beta, ignore_index)

@@ -42,9 +42,11 @@ def _check(x, weight, teacher_x, teacher_weight, dtype, grad_output=None, **opti
     x64, w64, teacher_x64, teacher_w64 = leaf_copies(x, weight, teacher_x, teacher_weight)
     loss = distill.fused_linear_jsd(x, weight, teacher_x, teacher_weight, **options)
     options.pop("chunk_memory_bytes", None)
-    truth = reference.fused_linear_jsd(x64, w64, teacher_x64, teacher_w64, **options)
+    truth = reference.fused_linear_jsd(
+        x64, w64, teacher_x64, teacher_w64, **options, logits_dtype=x.dtype, teacher_logits_dtype=teacher_x.dtype,
+    )
     assert loss.dtype == torch.float32 and loss.shape == ()
-    # fp32 math on logits rounded to the dtype by the matmuls: the dtype's tolerance.
+    # The truth is the exact loss of the logits rounded to each head's dtype (reference.head_logits).
     assert_close(loss, truth, dtype, "loss")
     loss.backward(grad_output)
     truth.backward(None if grad_output is None else grad_output.double())

@@ -67,9 +67,9 @@ def test_matches_reference(loss_name, dtype, case):
     ref64 = {name: None if t is None else t.double() for name, t in ref.items()}
 
     loss, metrics = fn(x, weight, target, b, **ref, chunk_memory_bytes=chunk_memory_bytes, **options)
-    truth, truth_logps = reference_fn(x64, w64, target, b64, **ref64, **options)
+    truth, truth_logps = reference_fn(x64, w64, target, b64, **ref64, **options, logits_dtype=dtype)
     assert loss.dtype == torch.float32 and loss.shape == ()
-    # Sums of log-probs from logits rounded to the dtype: the dtype's tolerance.
+    # The truth is the exact loss of the logits rounded to the dtype (see reference.head_logits).
     assert_close(loss, truth, dtype, "loss")
     chosen, rejected = truth_logps.chunk(2)
     if loss_name in ("simpo", "orpo"):
@@ -89,7 +89,7 @@ def test_matches_reference(loss_name, dtype, case):
 def test_kto_matches_reference(dtype):
     case = CASES[0]
     x, weight, target, b, ref, chunk_memory_bytes = _problem(case, dtype, reference_model=True)
-    labels = torch.tensor([True, False, True, True, False, False][: x.shape[0]], device=DEVICE)
+    labels = torch.arange(x.shape[0], device=DEVICE) % 3 != 1
     kl = torch.tensor(0.3, device=DEVICE)
     x64, w64, b64 = leaf_copies(x, weight, b)
     ref64 = {name: None if t is None else t.double() for name, t in ref.items()}
@@ -100,7 +100,7 @@ def test_kto_matches_reference(dtype):
         x, weight, target, labels, b, **ref, kl=kl,
     )
     truth, truth_logps = reference.kto_loss(
-        x64, w64, target, labels, b64, **ref64, kl=kl.double(), beta=0.5, desirable_weight=1.3,
+        x64, w64, target, labels, b64, **ref64, kl=kl.double(), beta=0.5, desirable_weight=1.3, logits_dtype=dtype,
     )
     assert_close(loss, truth, dtype, "loss")
     assert_close(metrics["logps"], truth_logps, dtype, "logps")
@@ -117,7 +117,7 @@ def test_fully_masked_sequence(loss_name):
     target[1] = -100
     x64, w64, b64 = leaf_copies(x, weight, b)
     loss, metrics = fn(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes, **options)
-    truth, _ = reference_fn(x64, w64, target, b64, **options)
+    truth, _ = reference_fn(x64, w64, target, b64, **options, logits_dtype=torch.float32)
     assert metrics["chosen_logps"][1].item() == 0.0
     assert_close(loss, truth, torch.float32, "loss")
     loss.backward()
@@ -144,19 +144,20 @@ def test_sequence_logps_matches_reference():
     x, weight, target, b, _, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     logps = tl.fused_linear_sequence_logps(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes // 3)
     assert not logps.requires_grad
-    truth = reference.sequence_logps(*leaf_copies(x, weight), target, b.double())
+    truth = reference.sequence_logps(*leaf_copies(x, weight), target, b.double(), logits_dtype=x.dtype)
     assert_close(logps, truth, torch.float32, "logps")
 
 
 def test_bad_input_is_named():
     x, weight, target, b, ref, _ = _problem(CASES[0], torch.float32, reference_model=True)
+    vocab = weight.shape[0]
     with pytest.raises(ValueError, match="even number"):
         tl.fused_linear_dpo(x[:-1], weight, target[:-1])
     with pytest.raises(ValueError, match="target must have shape"):
         tl.fused_linear_dpo(x, weight, target[:, :-1])
     with pytest.raises(ValueError, match="ref_input and ref_weight must be given together"):
         tl.fused_linear_dpo(x, weight, target, ref_input=ref["ref_input"])
-    with pytest.raises(ValueError, match="ref_weight has 299 rows"):
+    with pytest.raises(ValueError, match=f"ref_weight has {vocab - 1} rows"):
         tl.fused_linear_dpo(x, weight, target, ref_input=ref["ref_input"], ref_weight=ref["ref_weight"][:-1])
     with pytest.raises(ValueError, match="weight must have shape"):
         tl.fused_linear_dpo(x, weight[:, :-1], target)
@@ -166,6 +167,6 @@ def test_bad_input_is_named():
         tl.fused_linear_dpo(x, weight, target.float())
     with pytest.raises(ValueError, match="preference_labels must have shape"):
         tl.fused_linear_kto(x, weight, target, torch.ones(3, dtype=torch.bool, device=DEVICE))
-    target[0, 5] = 300
-    with pytest.raises(ValueError, match="target contains 300"):
+    target[0, 5] = vocab
+    with pytest.raises(ValueError, match=f"target contains {vocab}"):
         tl.fused_linear_dpo(x, weight, target)

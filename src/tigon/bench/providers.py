@@ -119,10 +119,11 @@ def _liger_losses() -> OpTable:
         LigerFusedLinearSimPOLoss,
     )
 
-    # Options set to the same formulas as tigon's defaults (Liger's SimPO adds α·NLL by default).
+    # Options set to the same formulas as tigon's defaults (Liger's SimPO adds α·NLL by default,
+    # and its KTO module ignores the reference model unless told to use it).
     dpo, orpo = LigerFusedLinearDPOLoss(beta=0.1), LigerFusedLinearORPOLoss(beta=0.1)
     simpo = LigerFusedLinearSimPOLoss(beta=2.0, gamma=0.5, alpha=0.0)
-    kto = LigerFusedLinearKTOLoss(beta=0.1)
+    kto = LigerFusedLinearKTOLoss(beta=0.1, use_ref_model=True)
     return {
         "kl_div": lambda a: lf.liger_kl_div(a["input"], a["target"], reduction="batchmean"),
         "jsd": lambda a: lf.liger_jsd(a["input"], a["target"]),

@@ -36,8 +36,8 @@ from tigon.ops._launch import as_rows
 from tigon.ops.cross_entropy import check_targets, cross_entropy_bwd, launch_cross_entropy_fwd
 from tigon.ops.fused_linear import DEFAULT_CHUNK_MEMORY_BYTES, fused_linear_chunks, gather_rows, new_grads
 
-# sequence_loss(sequence_ids [k], logps [k], ref_logps [k]) → this chunk's share of the loss
-# (fp32 scalar), differentiable in logps. The loss is the sum of the chunks' shares.
+# sequence_loss(sequence_ids [k], logps [k], ref_logps [k], all fp64) → this chunk's share of the loss
+# (fp64 scalar), differentiable in logps. The loss is the sum of the chunks' shares.
 SequenceLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -84,24 +84,26 @@ class _SequenceLogpsHead:
         ids = torch.cat([
             torch.arange(start // self.seq_len, end // self.seq_len, device=logits.device) for start, end in ranges
         ])
-        return ids, -token_loss.view(-1, self.seq_len).sum(1)
+        # In fp64: a sequence's log-prob sums thousands of token losses, and a preference loss's
+        # derivative depends on differences of such sums, which fp32 rounding would blur.
+        return ids, -token_loss.view(-1, self.seq_len).sum(1, dtype=torch.float64)
 
 
-def sequence_logps(input, weight, target, bias, ignore_index, chunk_memory_bytes) -> torch.Tensor:
-    """``[S]`` fp32 summed log-probabilities of ``target [S, T]`` under ``input [S, T, H] @ weightᵀ
-    (+ bias)``, computed without gradient."""
+def sequence_logps(input, weight, target, bias, ignore_index, chunk_memory_bytes, dtype=torch.float32):
+    """``[S]`` summed log-probabilities of ``target [S, T]`` under ``input [S, T, H] @ weightᵀ
+    (+ bias)``, computed without gradient, in ``dtype``."""
     n_sequences, seq_len = target.shape
     per_chunk = sequences_per_chunk_for(seq_len, weight.shape[0], input.element_size(), False, chunk_memory_bytes)
     chunks = sequence_chunks(n_sequences, seq_len, False, per_chunk)
     logps_head = _SequenceLogpsHead(target, False, ignore_index, min(per_chunk, n_sequences) * seq_len)
-    logps = torch.zeros(n_sequences, dtype=torch.float32, device=input.device)
+    logps = torch.zeros(n_sequences, dtype=torch.float64, device=input.device)
 
     def head(ranges, logits):
         ids, chunk_logps = logps_head(ranges, logits)
         logps[ids] = chunk_logps
 
     fused_linear_chunks(as_rows(input), weight, bias, chunks, head)
-    return logps
+    return logps.to(dtype)
 
 
 class FusedLinearPreferenceFunction(torch.autograd.Function):
@@ -114,17 +116,18 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
         n_sequences, seq_len = target.shape
         check_targets(target.reshape(-1), weight.shape[0], ignore_index)
         if ref_input is None:
-            ref_logps = torch.zeros(n_sequences, dtype=torch.float32, device=input.device)
+            ref_logps = torch.zeros(n_sequences, dtype=torch.float64, device=input.device)
         else:
-            ref_logps = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index, chunk_memory_bytes)
+            ref_logps = sequence_logps(ref_input, ref_weight, target, ref_bias, ignore_index, chunk_memory_bytes,
+                                       torch.float64)
 
         x2d = as_rows(input)
         per_chunk = sequences_per_chunk_for(seq_len, weight.shape[0], input.element_size(), paired, chunk_memory_bytes)
         chunks = sequence_chunks(n_sequences, seq_len, paired, per_chunk)
         compute_grad = any(needs)
         grad_input, grad_weight, grad_bias = new_grads(x2d, weight, *needs)
-        logps = torch.zeros(n_sequences, dtype=torch.float32, device=input.device)
-        loss = torch.zeros((), dtype=torch.float32, device=input.device)
+        logps = torch.zeros(n_sequences, dtype=torch.float64, device=input.device)
+        loss = torch.zeros((), dtype=torch.float64, device=input.device)
         logps_head = _SequenceLogpsHead(target, compute_grad, ignore_index, min(per_chunk, n_sequences) * seq_len)
 
         def preference_head(ranges, logits):
@@ -140,14 +143,15 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
             if grad_logps is None:
                 grad_logps = torch.zeros_like(chunk_logps)
             # The chain rule above: each row's dlogits (its cross-entropy gradient) times −dL/dlogp.
-            return (-grad_logps).repeat_interleave(seq_len)
+            return (-grad_logps).float().repeat_interleave(seq_len)
 
         fused_linear_chunks(x2d, weight, bias, chunks, preference_head,
                             grad_input, grad_weight, grad_bias)
         ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
         ctx.needs, ctx.input_shape = needs, input.shape
+        logps, ref_logps = logps.float(), ref_logps.float()
         ctx.mark_non_differentiable(logps, ref_logps)
-        return loss, logps, ref_logps
+        return loss.float(), logps, ref_logps
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logps, grad_ref_logps):
