@@ -1,0 +1,98 @@
+"""examples/train_fsdp2.py on two processes (gloo on CPU, NCCL on GPUs) under DDP, FSDP2 and
+DeepSpeed ZeRO-3 gives the per-step losses and gradient norms of one process, with tigon's fused
+linear cross entropy computing the loss (no logits built).
+
+Every step covers the same 4 sequences: 4 micro-batches of one in one process, 2 in each of two,
+with gradient accumulation, gradient checkpointing and AdamW. Their prompts (labels -100) differ
+in length, so the two processes hold different numbers of tokens: a loss normalised per process
+instead of over the step would show. The gradient norm (clipped to 1, over every shard) checks the
+gradients' scale, which AdamW's update alone would hide.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TINY = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--micro-batch", "1", "--steps", "2"]
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    arguments: tuple[str, ...]
+    reference: str  # the one-process run it is compared with
+    tolerance: float  # relative, on each step's loss; 10 times this on the gradient norm
+
+    @property
+    def needs_deepspeed(self) -> bool:
+        return "zero3" in self.arguments
+
+
+ONE_PROCESS = {
+    "fp32": ("--precision", "fp32"),
+    "fp32-tied": ("--precision", "fp32", "--tie-embeddings"),
+    # torch.autocast in one process; each engine's own bf16 below.
+    "bf16": ("--precision", "bf16"),
+}
+# fp32: the same sums in another order. bf16: FSDP2 and DeepSpeed run the norms and the loss in
+# bf16 as well, where autocast keeps them in fp32.
+TWO_PROCESSES = {
+    "ddp": Run(("--strategy", "ddp", "--precision", "fp32"), "fp32", 1e-5),
+    # lm_head resharded after its forward: tigon must use the weight inside it.
+    "fsdp2-lm-head-unit": Run(("--strategy", "fsdp2", "--precision", "fp32", "--shard-lm-head"), "fp32", 1e-5),
+    "fsdp2-tied": Run(("--strategy", "fsdp2", "--precision", "fp32", "--tie-embeddings"), "fp32-tied", 1e-5),
+    "zero3": Run(("--strategy", "zero3", "--precision", "fp32"), "fp32", 1e-5),
+    "fsdp2-bf16": Run(("--strategy", "fsdp2", "--precision", "bf16"), "bf16", 1e-3),
+    "zero3-bf16": Run(("--strategy", "zero3", "--precision", "bf16"), "bf16", 1e-3),
+}
+
+
+def _launch(launcher: list[str], runs: dict, out: Path, name: str) -> subprocess.Popen:
+    runs_file = out / f"{name}.runs"
+    runs_file.write_text(json.dumps({name: [*TINY, *arguments] for name, arguments in runs.items()}))
+    command = [*launcher, str(HERE / "run_example.py"), str(runs_file), str(out)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """Every run's record, by name. The one-process and two-process launches run side by side."""
+    out = tmp_path_factory.mktemp("train_fsdp2")
+    single = {
+        name: ("--strategy", "single", "--grad-accum", "4", *arguments) for name, arguments in ONE_PROCESS.items()
+    }
+    pair = {
+        name: ("--grad-accum", "2", *run.arguments)
+        for name, run in TWO_PROCESSES.items() if HAS_DEEPSPEED or not run.needs_deepspeed
+    }
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launches = [_launch([sys.executable], single, out, "one"), _launch(torchrun, pair, out, "two")]
+    for launch in launches:
+        output, _ = launch.communicate(timeout=900)
+        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TWO_PROCESSES)
+def test_two_processes_match_one(results, name):
+    run = TWO_PROCESSES[name]
+    if run.needs_deepspeed and not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    two, one = results[name], results[run.reference]
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["fused_loss"] and one["fused_loss"], "the loss was not tigon's fused one (logits were built)"
+    assert len(two["losses"]) == len(one["losses"]) == 2
+    assert two["losses"] == pytest.approx(one["losses"], rel=run.tolerance)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=10 * run.tolerance)
