@@ -59,21 +59,29 @@ def train_step(model, optimizer, batch: int, seq_len: int, generator) -> float:
     return loss.item()
 
 
-def run_setup(setup: str, layers: int, batch: int, seq_len: int, steps: int, max_search: int) -> dict:
-    model = build_model(setup, layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    losses = [train_step(model, optimizer, batch, seq_len, generator) for _ in range(2)]  # warm-up
+def time_steps(model, optimizer, batch: int, seq_len: int, steps: int, generator) -> dict:
+    """Two warm-up steps, then ``steps`` timed ones: tokens/s of this process, the peak memory of
+    its training steps and every step's loss."""
+    losses = [train_step(model, optimizer, batch, seq_len, generator) for _ in range(2)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     losses += [train_step(model, optimizer, batch, seq_len, generator) for _ in range(steps)]
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    return {
+        "tokens_per_second": batch * seq_len * steps / seconds,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses,
+    }
+
+
+def run_setup(setup: str, layers: int, batch: int, seq_len: int, steps: int, max_search: int) -> dict:
+    model = build_model(setup, layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    generator = torch.Generator(device="cuda").manual_seed(0)
     result = {
         "setup": setup, "label": LABELS[setup], "layers": layers, "batch": batch, "seq_len": seq_len,
-        "steps": steps, "tokens_per_second": batch * seq_len * steps / seconds,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses,
+        "steps": steps, **time_steps(model, optimizer, batch, seq_len, steps, generator),
     }
     longest = 0
     for trial in range(8192, max_search + 1, 4096):
