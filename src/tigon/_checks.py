@@ -62,3 +62,20 @@ def check_choice(name: str, value, choices) -> None:
 def check_positive(name: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def check_head(prefix: str, input, weight, bias=None, input_dim: int | None = None) -> None:
+    """Hidden states ``{prefix}input [..., H]`` and an LM head ``{prefix}weight [V, H]`` (and
+    ``{prefix}bias [V]``) of one dtype."""
+    check_tensor(f"{prefix}input", input, dim=input_dim)
+    check_tensor(f"{prefix}weight", weight, dim=2)
+    hidden = input.shape[-1]
+    if weight.shape[1] != hidden:
+        raise ValueError(
+            f"{prefix}weight must have shape (V, {hidden}) (the hidden size of {prefix}input), "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor(f"{prefix}bias", bias, dim=1)
+        check_shape(f"{prefix}bias", bias, (weight.shape[0],), f"the rows of {prefix}weight")
+    check_same_dtype(**{f"{prefix}input": input, f"{prefix}weight": weight, f"{prefix}bias": bias})

@@ -17,6 +17,7 @@ from torch import nn
 from tigon._checks import (
     INDEX_DTYPES,
     check_choice,
+    check_head,
     check_positive,
     check_same_device,
     check_same_dtype,
@@ -128,18 +129,6 @@ def tvd(input, target, labels=None, reduction="batchmean", ignore_index=-100):
     return _divergence.tvd(input, target, labels, reduction, ignore_index)
 
 
-def _check_head(prefix, input, weight):
-    check_tensor(f"{prefix}input", input)
-    check_tensor(f"{prefix}weight", weight, dim=2)
-    hidden = input.shape[-1]
-    if weight.shape[1] != hidden:
-        raise ValueError(
-            f"{prefix}weight must have shape (V, {hidden}) (the hidden size of {prefix}input), "
-            f"got {tuple(weight.shape)}"
-        )
-    check_same_dtype(**{f"{prefix}input": input, f"{prefix}weight": weight})
-
-
 def fused_linear_jsd(
     input,
     weight,
@@ -166,8 +155,8 @@ def fused_linear_jsd(
     Returns: the fp32 scalar loss. Gradients flow to ``input`` and ``weight`` (when they require
     it); the teacher is a constant and gets none.
     """
-    _check_head("", input, weight)
-    _check_head("teacher_", teacher_input, teacher_weight)
+    check_head("", input, weight)
+    check_head("teacher_", teacher_input, teacher_weight)
     if teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(
             f"teacher_weight {tuple(teacher_weight.shape)} and weight {tuple(weight.shape)} must cover the same "

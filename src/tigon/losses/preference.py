@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tigon._checks import INDEX_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
+from tigon._checks import INDEX_DTYPES, check_head, check_same_device, check_shape, check_tensor
 from tigon.ops.fused_linear_preference import fused_linear_preference, sequence_logps
 
 __all__ = [
@@ -40,25 +40,8 @@ __all__ = [
 ]
 
 
-def _check_head(prefix, input, weight, bias, seq_shape=None):
-    check_tensor(f"{prefix}input", input, dim=3)
-    check_tensor(f"{prefix}weight", weight, dim=2)
-    hidden = input.shape[-1]
-    if weight.shape[1] != hidden:
-        raise ValueError(
-            f"{prefix}weight must have shape (V, {hidden}) (the hidden size of {prefix}input), "
-            f"got {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        check_tensor(f"{prefix}bias", bias, dim=1)
-        check_shape(f"{prefix}bias", bias, (weight.shape[0],), f"the rows of {prefix}weight")
-    if seq_shape is not None and tuple(input.shape[:2]) != seq_shape:
-        raise ValueError(f"{prefix}input must have shape {seq_shape + (hidden,)} (as input), got {tuple(input.shape)}")
-    check_same_dtype(**{f"{prefix}input": input, f"{prefix}weight": weight, f"{prefix}bias": bias})
-
-
 def _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, paired, ignore_index):
-    _check_head("", input, weight, bias)
+    check_head("", input, weight, bias, input_dim=3)
     check_tensor("target", target, dtypes=INDEX_DTYPES, dim=2)
     check_shape("target", target, tuple(input.shape[:2]), "the sequences and tokens of input")
     if paired and input.shape[0] % 2:
@@ -71,7 +54,12 @@ def _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, pa
     if ref_input is None and ref_bias is not None:
         raise ValueError("ref_bias was given without ref_input and ref_weight")
     if ref_input is not None:
-        _check_head("ref_", ref_input, ref_weight, ref_bias, seq_shape=tuple(input.shape[:2]))
+        check_head("ref_", ref_input, ref_weight, ref_bias, input_dim=3)
+        if ref_input.shape[:2] != input.shape[:2]:
+            raise ValueError(
+                f"ref_input must have shape {tuple(input.shape[:2]) + (ref_input.shape[-1],)} (the sequences and "
+                f"tokens of input), got {tuple(ref_input.shape)}"
+            )
         if ref_weight.shape[0] != weight.shape[0]:
             raise ValueError(
                 f"ref_weight has {ref_weight.shape[0]} rows (vocabulary) but weight has {weight.shape[0]}"
@@ -347,17 +335,13 @@ class FusedLinearORPOLoss(_PreferenceLoss):
         super().__init__(beta=beta, ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
 
 
-class FusedLinearKTOLoss(torch.nn.Module):
-    """:func:`fused_linear_kto` as a module."""
+class FusedLinearKTOLoss(_PreferenceLoss):
+    """:func:`fused_linear_kto` as a module; ``forward`` also takes ``preference_labels`` and ``kl``."""
 
     def __init__(self, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100,
                  chunk_memory_bytes=None):
-        super().__init__()
-        self.options = dict(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
-                            ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+        super().__init__(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
+                         ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
 
     def forward(self, input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None,
                 ref_bias=None, kl=None):
