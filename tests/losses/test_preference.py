@@ -148,6 +148,17 @@ def test_sequence_logps_matches_reference():
     assert_close(logps, truth, torch.float32, "logps")
 
 
+def test_strided_target():
+    """A target read through a stride (every other token of a wider one) gives the same loss."""
+    x, weight, target, b, ref, chunk_memory_bytes = _problem(CASES[0], torch.float32, reference_model=True)
+    strided = torch.stack((target, torch.zeros_like(target)), -1)[..., 0]
+    assert not strided.is_contiguous()
+    losses = [
+        tl.fused_linear_dpo(x, weight, t, b, **ref, chunk_memory_bytes=chunk_memory_bytes)[0] for t in (target, strided)
+    ]
+    assert torch.equal(*losses)
+
+
 def test_bad_input_is_named():
     x, weight, target, b, ref, _ = _problem(CASES[0], torch.float32, reference_model=True)
     vocab = weight.shape[0]

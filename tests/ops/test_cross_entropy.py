@@ -202,6 +202,16 @@ def test_int32_target():
     _check(logits, target, torch.float32, reduction="mean", inplace_backward=True)
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_strided_target(inplace):
+    """A target that is a strided view (every other token of a longer one) is read with its stride."""
+    n_rows, n_classes = SHAPES[1]
+    logits = randn(n_rows, n_classes, requires_grad=True)
+    target = _targets((2 * n_rows,), n_classes, ignore_every=5)[::2]
+    assert not target.is_contiguous()
+    _check(logits, target, torch.float32, reduction="mean", inplace_backward=inplace)
+
+
 @pytest.mark.parametrize("bad", ["V", "beyond", "negative"])
 def test_target_out_of_range_raises(bad):
     shape = SHAPES[1]

@@ -118,16 +118,23 @@ def test_empty_batch():
     assert not weight.grad.any() and not b.grad.any()
 
 
-def test_non_contiguous_input_and_int32_target():
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_non_contiguous_input_and_strided_int32_target(reduction):
     token_shape, hidden, vocab, chunk_rows = CASES[1]
     x = randn(*token_shape, hidden + 16, dtype=torch.bfloat16)[..., 8 : 8 + hidden].requires_grad_()
     _, weight, target, b, chunk_memory_bytes = _problem(CASES[1], torch.bfloat16)
+    # Every other column of a wider target: a view whose flattening keeps a stride of 2.
+    strided = torch.stack((target, torch.zeros_like(target)), -1).int()[..., 0]
+    assert not strided.is_contiguous()
     x64, w64, b64 = leaf_copies(x, weight, b)
-    loss = tf.fused_linear_cross_entropy(x, weight, target.int(), b, chunk_memory_bytes=chunk_memory_bytes)
-    truth = reference.fused_linear_cross_entropy(x64, w64, target, b64)
-    loss.backward()
-    truth.backward()
+    loss = tf.fused_linear_cross_entropy(
+        x, weight, strided, b, reduction=reduction, chunk_memory_bytes=chunk_memory_bytes,
+    )
+    truth = reference.fused_linear_cross_entropy(x64, w64, target, b64, reduction=reduction)
     assert_close(loss, truth, torch.bfloat16, "loss")
+    grad_output = torch.randn_like(truth)
+    loss.backward(grad_output.float())
+    truth.backward(grad_output)
     for name, tensor, truth_tensor in (("input", x, x64), ("weight", weight, w64), ("bias", b, b64)):
         assert_close(tensor.grad, truth_tensor.grad, torch.bfloat16, f"grad of {name}")
 

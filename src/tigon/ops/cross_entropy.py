@@ -66,7 +66,7 @@ def _softcapped(x, softcap):
 def cross_entropy_fwd_kernel(
     LOGITS, TARGET, GRAD, GRAD_SCALE, LOSS, Z_LOSS,
     n_rows, n_cols,
-    stride_logits, stride_grad, stride_grad_scale,
+    stride_logits, stride_target, stride_grad, stride_grad_scale,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
@@ -81,7 +81,7 @@ def cross_entropy_fwd_kernel(
 
     for row in range(pid, n_rows, n_programs):
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
-        target = tl.load(TARGET + row)
+        target = tl.load(TARGET + row * stride_target)
 
         if target == ignore_index:
             tl.store(LOSS + row, 0.0)
@@ -199,7 +199,7 @@ def launch_cross_entropy_fwd(
 
     Args:
         logits: ``[N, V]`` with unit column stride, any row stride.
-        target: ``[N]`` int64/int32, already checked to lie in ``[0, V)`` or equal ``ignore_index``.
+        target: ``[N]`` int64/int32, any stride, already checked to lie in ``[0, V)`` or equal ``ignore_index``.
         grad: ``[N, V]`` in the logits' dtype with unit column stride (it may be ``logits``
             itself), or ``None`` for the loss only.
         grad_scale: fp32 factor of the gradient, ``[1]`` for every row or ``[N]`` per row, or
@@ -212,7 +212,7 @@ def launch_cross_entropy_fwd(
     cross_entropy_fwd_kernel[(n_programs,)](
         logits, target, grad, grad_scale, loss, z_loss,
         n_rows, n_cols,
-        logits.stride(0), 0 if grad is None else grad.stride(0),
+        logits.stride(0), target.stride(0), 0 if grad is None else grad.stride(0),
         0 if grad_scale is None or grad_scale.numel() == 1 else grad_scale.stride(0),
         ignore_index, label_smoothing, lse_square_scale, 1.0 if softcap is None else softcap,
         HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap is not None, STORE_Z_LOSS=z_loss is not None,
