@@ -10,13 +10,15 @@ import transformers
 
 from utils import DEVICE, pick
 
-VOCAB = 160
-BATCH, SEQ = pick(cpu=(2, 16), gpu=(4, 128))
+# On the GPU, larger: a real vocabulary (the loss runs over several chunks) and longer sequences.
+VOCAB = pick(cpu=160, gpu=32000)
+BATCH, SEQ = pick(cpu=(2, 16), gpu=(4, 512))
 STEPS = 3
 
 _COMMON = dict(
-    vocab_size=VOCAB, hidden_size=pick(cpu=32, gpu=256), intermediate_size=pick(cpu=64, gpu=512),
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=VOCAB, hidden_size=pick(cpu=32, gpu=1024), intermediate_size=pick(cpu=64, gpu=2816),
+    num_hidden_layers=2, num_attention_heads=pick(cpu=4, gpu=8), num_key_value_heads=pick(cpu=2, gpu=4),
+    max_position_embeddings=pick(cpu=256, gpu=1024),
     pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 _HEAD_DIM = _COMMON["hidden_size"] // _COMMON["num_attention_heads"]
