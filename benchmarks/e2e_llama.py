@@ -3,10 +3,14 @@
 Shapes as ../shared/anchors.md: hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256,
 bf16 weights, AdamW, gradient checkpointing, SDPA attention, batch 4 × 4096 tokens. Each setup
 runs in its own process (patching is global, and peak memory must start from nothing); each
-reports tokens/s over the timed steps, the peak memory of a training step, and the longest
-sequence that trains at batch 1 (searched in steps of 4096 tokens).
+reports tokens/s over the timed steps, the peak memory of a training step and of each of its
+phases (forward, backward, optimizer), and the longest sequence that trains at batch 1 (searched
+in steps of 4096 tokens). AdamW is PyTorch's fused one by default, as the Hugging Face Trainer
+uses with torch ≥ 2.8 (``adamw_torch_fused``); ``--optimizer foreach`` takes PyTorch's default.
+``--memory-profile`` adds, per setup, the largest tensors alive at the peak and where they were
+allocated.
 
-    python benchmarks/e2e_llama.py [--setups hf liger tigon] [--steps 6] [--out DIR]
+    python benchmarks/e2e_llama.py [--setups hf liger tigon] [--steps 6] [--optimizer fused] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,18 +54,60 @@ def build_model(setup: str, layers: int):
     return model
 
 
-def train_step(model, optimizer, batch: int, seq_len: int, generator) -> float:
+def new_optimizer(model, kind: str) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=kind == "fused", foreach=kind == "foreach")
+
+
+def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peaks: dict | None = None) -> float:
+    """One step; with ``phase_peaks``, the peak memory (GiB) of each phase is recorded into it."""
+
+    def end_phase(name):
+        if phase_peaks is not None:
+            torch.cuda.synchronize()
+            phase_peaks[name] = max(phase_peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
+    if phase_peaks is not None:
+        torch.cuda.reset_peak_memory_stats()
     loss = model(input_ids=tokens, labels=tokens).loss
+    end_phase("forward")
     loss.backward()
+    end_phase("backward")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    end_phase("optimizer")
     return loss.item()
+
+
+def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int = 12) -> list[dict]:
+    """The ``top`` largest allocations alive at the peak of one recorded step, with the frames of
+    tigon, transformers or the optimizer that allocated them."""
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    train_step(model, optimizer, batch, seq_len, generator)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, peak_live, in_use, peak = {}, {}, 0, 0
+    for event in (e for trace in snapshot["device_traces"] for e in trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            in_use += event["size"]
+            if in_use > peak:
+                peak, peak_live = in_use, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            in_use -= live.pop(event["addr"])["size"]
+    keep = ("tigon", "transformers", "optim", "autograd", "checkpoint")
+    rows = []
+    for event in sorted(peak_live.values(), key=lambda e: -e["size"])[:top]:
+        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event["frames"]
+                  if any(k in f["filename"] for k in keep)]
+        rows.append({"mib": event["size"] / 2**20, "frames": frames[:4]})
+    return rows
 
 
 def time_steps(model, optimizer, batch: int, seq_len: int, steps: int, generator) -> dict:
     """Two warm-up steps, then ``steps`` timed ones: tokens/s of this process, the peak memory of
-    its training steps and every step's loss."""
+    its training steps and every step's loss; then one more step for the peak of each phase."""
     losses = [train_step(model, optimizer, batch, seq_len, generator) for _ in range(2)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -69,22 +115,29 @@ def time_steps(model, optimizer, batch: int, seq_len: int, steps: int, generator
     losses += [train_step(model, optimizer, batch, seq_len, generator) for _ in range(steps)]
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    phase_peaks = {}
+    losses.append(train_step(model, optimizer, batch, seq_len, generator, phase_peaks))
     return {
-        "tokens_per_second": batch * seq_len * steps / seconds,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "losses": losses,
+        "tokens_per_second": batch * seq_len * steps / seconds, "peak_memory_gib": peak,
+        "peak_memory_by_phase_gib": phase_peaks, "losses": losses,
     }
 
 
-def run_setup(setup: str, layers: int, batch: int, seq_len: int, steps: int, max_search: int) -> dict:
-    model = build_model(setup, layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+def run_setup(args, setup: str) -> dict:
+    batch, seq_len = args.batch, args.seq_len
+    model = build_model(setup, args.layers)
+    optimizer = new_optimizer(model, args.optimizer)
     generator = torch.Generator(device="cuda").manual_seed(0)
     result = {
-        "setup": setup, "label": LABELS[setup], "layers": layers, "batch": batch, "seq_len": seq_len,
-        "steps": steps, **time_steps(model, optimizer, batch, seq_len, steps, generator),
+        "setup": setup, "label": LABELS[setup], "layers": args.layers, "batch": batch, "seq_len": seq_len,
+        "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
+        **time_steps(model, optimizer, batch, seq_len, args.steps, generator),
     }
+    if args.memory_profile:
+        result["peak_tensors"] = peak_tensors(model, optimizer, batch, seq_len, generator)
     longest = 0
-    for trial in range(8192, max_search + 1, 4096):
+    for trial in range(8192, args.max_search + 1, 4096):
         try:
             train_step(model, optimizer, 1, trial, generator)
             longest = trial
@@ -113,7 +166,8 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_title(title)
         for i, r in enumerate(results):
             ax.annotate(f"{r[key]:,.0f}" if r[key] > 100 else f"{r[key]:.1f}", (i, r[key]), ha="center", va="bottom")
-    fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, AdamW, gradient checkpointing — {torch.cuda.get_device_name()}")
+    fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, {results[0]['optimizer']}, gradient checkpointing"
+                 f" — {torch.cuda.get_device_name()}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -127,11 +181,13 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-search", type=int, default=65536)
+    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
+    parser.add_argument("--memory-profile", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        result = run_setup(args.child, args.layers, args.batch, args.seq_len, args.steps, args.max_search)
+        result = run_setup(args, args.child)
         print("RESULT " + json.dumps(result))
         return 0
 
@@ -141,7 +197,8 @@ def main() -> int:
     results = []
     for setup in args.setups:
         command = [sys.executable, __file__, "--child", setup, "--layers", str(args.layers), "--batch", str(args.batch),
-                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--max-search", str(args.max_search)]
+                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--max-search", str(args.max_search),
+                   "--optimizer", args.optimizer] + ["--memory-profile"] * args.memory_profile
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
         if completed.returncode or not lines:
@@ -153,10 +210,17 @@ def main() -> int:
     base = next((r for r in results if r["setup"] == "hf"), results[0])
     print(f"{'setup':<30}{'tokens/s':>10}{'speed-up':>10}{'peak GiB':>10}{'memory':>9}{'longest T @ B=1':>17}")
     for r in results:
+        r["memory_vs_hf_by_phase"] = {
+            phase: peak / base["peak_memory_by_phase_gib"][phase] for phase, peak in r["peak_memory_by_phase_gib"].items()
+        }
         r["speedup_vs_hf"] = r["tokens_per_second"] / base["tokens_per_second"]
         r["memory_vs_hf"] = r["peak_memory_gib"] / base["peak_memory_gib"]
         print(f"{r['label']:<30}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
               f"{r['memory_vs_hf']:>9.0%}{r['longest_seq_len_batch1']:>17,}")
+    for r in results:
+        print(r["label"], "peak by phase (GiB):", {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()})
+        for row in r.get("peak_tensors", []):
+            print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
     (out / "e2e_llama.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "e2e_llama.png")
     print(f"wrote {out / 'e2e_llama.json'} and {out / 'e2e_llama.png'}")

@@ -14,6 +14,9 @@ from utils import DEVICE, pick
 VOCAB = pick(cpu=160, gpu=32000)
 BATCH, SEQ = pick(cpu=(2, 16), gpu=(4, 512))
 STEPS = 3
+# Adam's first update moves every weight by about ±lr: 1e-3 is a large but realistic step for
+# these widths (1e-2 would move the GPU model's weights by half their initial scale at once).
+LR = 1e-3
 
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=pick(cpu=32, gpu=1024), intermediate_size=pick(cpu=64, gpu=2816),
@@ -82,7 +85,7 @@ class Run:
 def train(model, steps: int = STEPS, **forward_options) -> Run:
     """``steps`` AdamW steps on one fixed batch, then an eval forward on it."""
     input_ids, labels = tiny_batch()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], []
     model.train()
     for _ in range(steps):
