@@ -33,6 +33,8 @@ __all__ = [
     "rope",
     "swiglu",
     "geglu",
+    "swiglu_linear",
+    "geglu_linear",
     "cross_entropy",
     "fused_linear_cross_entropy",
 ]
@@ -176,6 +178,43 @@ def geglu(gate, up, *, inplace_backward=False):
     """
     _check_gated_args(gate, up, inplace_backward)
     return _gated.geglu(gate, up, bool(inplace_backward))
+
+
+def _check_gated_linear_args(gate, up, weight, bias, inplace_backward):
+    _check_gated_args(gate, up, inplace_backward)
+    check_tensor("weight", weight, dim=2)
+    check_shape("weight", weight, (weight.shape[0], gate.shape[-1]), "[out_features, the last dimension of gate]")
+    tensors = dict(gate=gate, weight=weight)
+    if bias is not None:
+        check_tensor("bias", bias, dim=1)
+        check_shape("bias", bias, (weight.shape[0],), "[out_features] of weight")
+        tensors["bias"] = bias
+    check_same_dtype(**tensors)
+    check_same_device(**tensors)
+
+
+def swiglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
+    """``(silu(gate) · up) @ weightᵀ (+ bias)``: the gate and down projection of a Llama MLP.
+
+    Saves ``gate``, ``up`` and ``weight`` for backward but not the product ``silu(gate) · up``,
+    which :func:`swiglu` followed by a separate linear layer keeps for the weight's gradient: one
+    ``[..., I]`` tensor less per MLP. Backward recomputes it (one elementwise pass, fused with
+    the gate's gradient).
+
+    Args:
+        gate, up: one shape ``[..., I]`` and dtype.
+        weight: ``[H, I]``; bias: ``[H]`` or ``None``; the dtype of ``gate``.
+        inplace_backward: as :func:`swiglu`.
+    Returns ``[..., H]``.
+    """
+    _check_gated_linear_args(gate, up, weight, bias, inplace_backward)
+    return _gated.gated_linear(gate, up, weight, bias, "silu", bool(inplace_backward))
+
+
+def geglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
+    """``(gelu_tanh(gate) · up) @ weightᵀ (+ bias)``, as :func:`swiglu_linear` for Gemma's MLP."""
+    _check_gated_linear_args(gate, up, weight, bias, inplace_backward)
+    return _gated.gated_linear(gate, up, weight, bias, "gelu_tanh", bool(inplace_backward))
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

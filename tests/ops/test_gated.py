@@ -151,3 +151,66 @@ def test_compiles_without_graph_breaks(inplace_backward):
     truth.sum().backward()
     assert_close(gate.grad, gate64.grad, torch.float32, "grad of gate")
     assert_close(up.grad, up64.grad, torch.float32, "grad of up")
+
+
+LINEAR_GATES = {
+    "swiglu": (tf.swiglu_linear, reference.swiglu), "geglu": (tf.geglu_linear, reference.geglu),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_halves"])
+@pytest.mark.parametrize("gate_name", LINEAR_GATES)
+def test_gated_linear(gate_name, layout, bias, dtype):
+    fn, truth_gate = LINEAR_GATES[gate_name]
+    shape = pick(cpu=(3, 37, 72), gpu=(2, 1000, 2816))
+    out_features = pick(cpu=48, gpu=1024)
+    gate, up = _inputs(shape, dtype, layout)
+    weight = randn(out_features, shape[-1], dtype=dtype, requires_grad=True, scale=shape[-1] ** -0.5)
+    b = randn(out_features, dtype=dtype, requires_grad=True) if bias else None
+    gate64, up64, weight64 = leaf_copies(gate, up, weight)
+    b64 = leaf_copies(b)[0] if bias else None
+    out = fn(gate, up, weight, b)
+    truth = torch.nn.functional.linear(truth_gate(gate64, up64), weight64, b64)
+    # The product rounds to the dtype before the matmul, which rounds again.
+    assert_close(out, truth, dtype, "output", 2.0)
+    dout = randn(*out.shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    pairs = [("gate", gate, gate64), ("up", up, up64), ("weight", weight, weight64)] + [("bias", b, b64)] * bias
+    for name, tensor, truth_tensor in pairs:
+        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}", 2.0)
+
+
+def test_gated_linear_keeps_no_product():
+    """Saved for backward: gate, up and the weight, not the [N, I] product a separate linear keeps."""
+    gate, up = _inputs((40, 96), torch.float32, "contiguous")
+    weight = randn(24, 96, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tf.swiglu_linear(gate, up, weight, inplace_backward=True)
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved)
+    assert saved_bytes == sum(t.numel() * t.element_size() for t in (gate, up, weight))
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.linear(tf.swiglu(gate, up, inplace_backward=True), weight)
+    assert sum(t.numel() * t.element_size() for t in saved) == saved_bytes + 40 * 96 * 4
+
+
+def test_mlp_calls_a_hooked_down_proj():
+    """A down projection with hooks (or wrapped, e.g. by PEFT) is called as a module, not fused."""
+    mlp = tnn.SwiGLUMLP(32, 48, device=DEVICE)
+    x = randn(5, 32)
+    fused = mlp(x)
+    calls = []
+    mlp.down_proj.register_forward_hook(lambda module, args, out: calls.append(out))
+    assert torch.allclose(mlp(x), fused, rtol=1e-5, atol=1e-6) and len(calls) == 1
+
+
+def test_gated_linear_bad_weight_is_named():
+    gate, up = _inputs((4, 16), torch.float32, "contiguous")
+    with pytest.raises(ValueError, match=r"weight must have shape \(8, 16\).*got \(8, 15\)"):
+        tf.swiglu_linear(gate, up, randn(8, 15))
+    with pytest.raises(TypeError, match="gate torch.float32, weight torch.bfloat16"):
+        tf.swiglu_linear(gate, up, randn(8, 16, dtype=torch.bfloat16))

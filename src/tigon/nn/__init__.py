@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tigon import functional as F
 
@@ -53,10 +54,26 @@ class LayerNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def linear_weight_usable(linear: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``linear``'s weight may be used directly instead of calling ``linear``: it is a plain
+    ``nn.Linear`` (not a PEFT or quantised wrapper) with no hooks to skip (DeepSpeed ZeRO-3, a
+    per-layer FSDP2 unit, user hooks), its weight is whole (not a DTensor shard) and of ``x``'s
+    dtype (no autocast between them)."""
+    from torch.nn.modules import module
+
+    if type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or linear.weight.dtype != x.dtype:
+        return False
+    return not (linear._forward_pre_hooks or linear._forward_hooks
+                or module._global_forward_pre_hooks or module._global_forward_hooks)
+
+
 class _GatedMLP(nn.Module):
-    """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate fused by a tigon kernel."""
+    """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate and the down projection fused
+    by :func:`tigon.functional.swiglu_linear` (or ``geglu_linear``): the gate's product is not
+    kept for backward. A ``down_proj`` that is wrapped or hooked is called as a module instead."""
 
     _gate = None
+    _gate_linear = None
 
     def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None):
         super().__init__()
@@ -69,19 +86,24 @@ class _GatedMLP(nn.Module):
 
     def forward(self, x):
         # The projections' outputs are seen by nothing else, so their gradients may overwrite them.
-        return self.down_proj(type(self)._gate(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if linear_weight_usable(self.down_proj, gate):
+            return type(self)._gate_linear(gate, up, self.down_proj.weight, self.down_proj.bias, inplace_backward=True)
+        return self.down_proj(type(self)._gate(gate, up, inplace_backward=True))
 
 
 class SwiGLUMLP(_GatedMLP):
     """Llama-style MLP: ``down_proj(silu(gate_proj(x)) · up_proj(x))``."""
 
     _gate = staticmethod(F.swiglu)
+    _gate_linear = staticmethod(F.swiglu_linear)
 
 
 class GeGLUMLP(_GatedMLP):
     """Gemma-style MLP: ``down_proj(gelu_tanh(gate_proj(x)) · up_proj(x))``."""
 
     _gate = staticmethod(F.geglu)
+    _gate_linear = staticmethod(F.geglu_linear)
 
 
 class CrossEntropyLoss(nn.Module):

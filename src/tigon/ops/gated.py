@@ -22,6 +22,13 @@ inputs is saved)::
 ``inplace_backward`` writes ``d_gate`` and ``d_up`` over ``gate`` and ``up`` (each element is
 read before it is overwritten, by the same program), so the backward allocates nothing.
 
+With the MLP's down projection fused in (:class:`GatedLinearFunction`, ``out = h @ Wᵀ`` with
+``h = act(gate) · up``), nothing of ``h`` is saved: a separate down projection keeps ``h`` for its
+weight gradient ``dWᵀ = doutᵀ·h``, a third ``[N, I]`` tensor beside ``gate`` and ``up``. The
+backward computes ``dh = dout·W`` into a new buffer, and one kernel reads ``gate, up, dh`` and
+writes ``d_gate, d_up`` over ``gate, up`` and the recomputed ``h`` over ``dh``, from which
+``dW`` follows.
+
 Shapes: ``gate, up [...]`` of one shape and dtype (fp32/bf16/fp16), handled as ``[rows, cols]``
 row views (any row stride, e.g. the two halves of a fused gate/up projection, read in place);
 math in fp32, one rounding on store. Bytes per call (the roofline): forward reads gate and up and
@@ -89,10 +96,11 @@ def gated_bwd_kernel(
     GATE, UP, DOUT, DGATE, DUP,
     n_rows, n_cols,
     stride_gate, stride_up, stride_dout, stride_dgate, stride_dup,
-    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, STORE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # DGATE and DUP may be GATE and UP themselves: every element is loaded before the stores
-    # that depend on it, and tiles of different programs do not overlap.
+    # that depend on it, and tiles of different programs do not overlap. With STORE_OUT, the
+    # forward's output act(gate)·up is recomputed over DOUT, by the same reasoning.
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
@@ -100,6 +108,8 @@ def gated_bwd_kernel(
     act, act_grad = _activation(gate, ACTIVATION)
     tl.store(DUP + rows * stride_dup + cols, (dout * act).to(DUP.dtype.element_ty), mask=mask)
     tl.store(DGATE + rows * stride_dgate + cols, (dout * up * act_grad).to(DGATE.dtype.element_ty), mask=mask)
+    if STORE_OUT:
+        tl.store(DOUT + rows * stride_dout + cols, (act * up).to(DOUT.dtype.element_ty), mask=mask)
 
 
 def _launch_config(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
@@ -136,14 +146,14 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     return out
 
 
-def _launch_bwd(dout, gate, up, d_gate, d_up, activation):
+def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False):
     n_rows, n_cols = gate.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
     gated_bwd_kernel[grid](
         gate, up, dout, d_gate, d_up,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), dout.stride(0), d_gate.stride(0), d_up.stride(0),
-        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        ACTIVATION=activation, STORE_OUT=store_out, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
 
 
@@ -165,6 +175,22 @@ def gated_bwd(
 def gated_bwd_inplace(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
     """As :func:`gated_bwd`, but ``d_gate`` overwrites ``gate`` and ``d_up`` overwrites ``up``."""
     _launch_bwd(dout, gate, up, gate, up, activation)
+
+
+def _gated_bwd_recompute_fake(dout, gate, up, activation, inplace):
+    return gate.new_empty(0 if inplace else gate.shape), gate.new_empty(0 if inplace else gate.shape)
+
+
+@tigon_op("gated_bwd_recompute", fake=_gated_bwd_recompute_fake, mutates_args=("dout", "gate", "up"))
+def gated_bwd_recompute(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, inplace: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`gated_bwd`, and ``dout [N, I]`` (contiguous) is overwritten by the forward's
+    output ``act(gate) · up``. With ``inplace``, ``d_gate`` and ``d_up`` overwrite ``gate`` and
+    ``up`` and the returned tensors are empty."""
+    d_gate, d_up = (gate, up) if inplace else (gate.new_empty(gate.shape), gate.new_empty(gate.shape))
+    _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=True)
+    return (gate.new_empty(0), up.new_empty(0)) if inplace else (d_gate, d_up)
 
 
 class GatedFunction(torch.autograd.Function):
@@ -199,6 +225,43 @@ class GatedFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+class GatedLinearFunction(torch.autograd.Function):
+    """``(act(gate) · up) @ weightᵀ (+ bias)``; saves ``gate``, ``up`` and ``weight`` only (the
+    product is recomputed in backward, see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, activation, inplace_backward):
+        gate_rows, up_rows = as_rows(gate), as_rows(up)
+        out = torch.nn.functional.linear(gated_fwd(gate_rows, up_rows, activation), weight, bias)
+        ctx.save_for_backward(gate_rows, up_rows, weight)
+        ctx.activation, ctx.inplace_backward = activation, inplace_backward
+        ctx.has_bias = bias is not None
+        return out.view(*gate.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate_rows, up_rows, weight = ctx.saved_tensors
+        dout_rows = as_rows(dout)
+        # dh, then h itself in the same buffer once the kernel has read dh.
+        dh_then_h = dout_rows @ weight
+        d_gate, d_up = gated_bwd_recompute(dh_then_h, gate_rows, up_rows, ctx.activation, ctx.inplace_backward)
+        if ctx.inplace_backward:
+            d_gate, d_up = gate_rows, up_rows
+        grad_weight = dout_rows.T @ dh_then_h if ctx.needs_input_grad[2] else None
+        grad_bias = dout_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        shape = (*dout.shape[:-1], gate_rows.shape[1])
+        return (
+            d_gate.view(shape) if ctx.needs_input_grad[0] else None,
+            d_up.view(shape) if ctx.needs_input_grad[1] else None,
+            grad_weight, grad_bias, None, None,
+        )
+
+
+def gated_linear(gate, up, weight, bias, activation, inplace_backward):
+    """``(act(gate) · up) @ weightᵀ (+ bias)``; inputs validated by :mod:`tigon.functional`."""
+    return GatedLinearFunction.apply(gate, up, weight, bias, activation, inplace_backward)
 
 
 def swiglu(gate, up, inplace_backward):
