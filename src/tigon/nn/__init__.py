@@ -70,7 +70,14 @@ def linear_weight_usable(linear: nn.Module, x: torch.Tensor) -> bool:
 class _GatedMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate and the down projection fused
     by :func:`tigon.functional.swiglu_linear` (or ``geglu_linear``): the gate's product is not
-    kept for backward. A ``down_proj`` that is wrapped or hooked is called as a module instead."""
+    kept for backward. A ``down_proj`` that is wrapped or hooked is called as a module instead.
+
+    Under non-reentrant activation checkpointing this costs time: the recomputation stops once
+    the last tensor the original forward saved is saved again, which for a plain ``down_proj``
+    happens before its matmul (built-in ops save their inputs first) but for the fused function
+    after it, so the down projection is recomputed. The patched Hugging Face MLPs, usually
+    checkpointed, therefore keep ``down_proj`` separate.
+    """
 
     _gate = None
     _gate_linear = None

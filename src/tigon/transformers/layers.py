@@ -10,7 +10,6 @@ attributes filled in from the family's row of :data:`tigon.transformers.families
 from __future__ import annotations
 
 from tigon import functional as F
-from tigon.nn import linear_weight_usable
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
 GATE_ACTIVATIONS = {
@@ -49,21 +48,16 @@ class TigonMLP:
         check_activation(type(self), config)
         super().__init__(config, *args, **kwargs)
 
-    def _gated_down(self, gate, up):
-        """``down_proj(act(gate) · up)``, fused into one function where ``down_proj`` allows it (see
-        :func:`tigon.nn.linear_weight_usable`), so that the product is not kept for backward."""
+    def _gated(self, gate, up):
         # The projections' outputs feed nothing but the gate, so its backward may overwrite them.
-        if linear_weight_usable(self.down_proj, gate):
-            gate_linear = getattr(F, f"{self.gate}_linear")
-            return gate_linear(gate, up, self.down_proj.weight, self.down_proj.bias, inplace_backward=True)
-        return self.down_proj(getattr(F, self.gate)(gate, up, inplace_backward=True))
+        return getattr(F, self.gate)(gate, up, inplace_backward=True)
 
 
 class TigonGatedMLP(TigonMLP):
     """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate fused (Llama, Gemma, Qwen...)."""
 
     def forward(self, x):
-        return self._gated_down(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -72,7 +66,7 @@ class TigonFusedGateUpMLP(TigonMLP):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self._gated_down(gate, up)
+        return self.down_proj(self._gated(gate, up))
 
 
 def check_activation(mlp_class, config) -> None:
