@@ -83,7 +83,7 @@ def test_family_bf16_as_close_to_fp32_as_plain(model_type):
         assert error <= max(BF16_LOSS_FACTOR * plain_error, BF16_LOSS_FLOOR), (
             f"loss at step {step}: {error:.3g} from fp32, Hugging Face bf16 {plain_error:.3g}"
         )
-    (truth_grads,), (plain_grads,), (grads,) = truth.grads[:1], plain.grads[:1], patched.grads[:1]
+    truth_grads, plain_grads, grads = truth.grads[0], plain.grads[0], patched.grads[0]
     plain_error = relative_error(_flat_grads(plain_grads), _flat_grads(truth_grads))
     error = relative_error(_flat_grads(grads), _flat_grads(truth_grads))
     assert error <= BF16_GRADS_FACTOR * plain_error, (

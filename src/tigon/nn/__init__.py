@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules import module as _module
 
 from tigon import functional as F
 
@@ -59,12 +60,10 @@ def linear_weight_usable(linear: nn.Module, x: torch.Tensor) -> bool:
     ``nn.Linear`` (not a PEFT or quantised wrapper) with no hooks to skip (DeepSpeed ZeRO-3, a
     per-layer FSDP2 unit, user hooks), its weight is whole (not a DTensor shard) and of ``x``'s
     dtype (no autocast between them)."""
-    from torch.nn.modules import module
-
     if type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or linear.weight.dtype != x.dtype:
         return False
     return not (linear._forward_pre_hooks or linear._forward_hooks
-                or module._global_forward_pre_hooks or module._global_forward_hooks)
+                or _module._global_forward_pre_hooks or _module._global_forward_hooks)
 
 
 class _GatedMLP(nn.Module):

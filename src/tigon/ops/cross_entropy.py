@@ -63,6 +63,15 @@ def _softcapped(x, softcap):
 
 
 @triton.jit
+def store_zero_row(row, n_cols, BLOCK_V: tl.constexpr):
+    """Zero ``n_cols`` elements from ``row`` in blocks of ``BLOCK_V``: the gradient of an ignored row."""
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        offs = start + cols
+        tl.store(row + offs, tl.zeros((BLOCK_V,), row.dtype.element_ty), mask=offs < n_cols)
+
+
+@triton.jit
 def cross_entropy_fwd_kernel(
     LOGITS, TARGET, GRAD, GRAD_SCALE, LOSS, Z_LOSS,
     n_rows, n_cols,
@@ -88,10 +97,7 @@ def cross_entropy_fwd_kernel(
             if STORE_Z_LOSS:
                 tl.store(Z_LOSS + row, 0.0)
             if COMPUTE_GRAD:
-                grad_row = GRAD + tl.cast(row, tl.int64) * stride_grad
-                for start in range(0, n_cols, BLOCK_V):
-                    offs = start + cols
-                    tl.store(grad_row + offs, tl.zeros((BLOCK_V,), GRAD.dtype.element_ty), mask=offs < n_cols)
+                store_zero_row(GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, BLOCK_V)
         else:
             # The scalars needed after pass 1 are loaded first: their latency hides behind it.
             z_target = tl.load(logits_row + target).to(tl.float32)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._launch import as_rows, tigon_op
+from tigon.ops.cross_entropy import store_zero_row
 from tigon.ops.divergence import (
     flat_labels,
     kernel_variant,
@@ -93,10 +94,7 @@ def jsd_from_logits_fwd_kernel(
         if ignored:
             tl.store(LOSS + row64, 0.0)
             if COMPUTE_GRAD:
-                for start in range(0, n_cols, BLOCK_V):
-                    offs = start + cols
-                    zeros = tl.zeros((BLOCK_V,), STUDENT.dtype.element_ty)
-                    tl.store(student_row + offs, zeros, mask=offs < n_cols)
+                store_zero_row(student_row, n_cols, BLOCK_V)
         else:
             # Pass 1: log-sum-exp of both tempered rows, kept as shift + log(sum_exp): with large
             # logits z/T − shift is exact where z/T − lse would round.
