@@ -35,6 +35,8 @@ __all__ = [
     "geglu",
     "swiglu_linear",
     "geglu_linear",
+    "swiglu_mlp",
+    "geglu_mlp",
     "cross_entropy",
     "fused_linear_cross_entropy",
 ]
@@ -215,6 +217,48 @@ def geglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
     """``(gelu_tanh(gate) · up) @ weightᵀ (+ bias)``, as :func:`swiglu_linear` for Gemma's MLP."""
     _check_gated_linear_args(gate, up, weight, bias, inplace_backward)
     return _gated.gated_linear(gate, up, weight, bias, "gelu_tanh", bool(inplace_backward))
+
+
+def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight):
+    check_tensor("x", x)
+    for name, weight in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
+        check_tensor(name, weight, dim=2)
+    n_inter, n_hidden = gate_weight.shape
+    check_shape("gate_weight", gate_weight, (n_inter, x.shape[-1]), "[intermediate, the last dimension of x]")
+    check_shape("up_weight", up_weight, (n_inter, n_hidden), "the shape of gate_weight")
+    check_shape("down_weight", down_weight, (n_hidden, n_inter), "the transpose of gate_weight's shape")
+    tensors = dict(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
+    check_same_dtype(**tensors)
+    check_same_device(**tensors)
+
+
+def swiglu_mlp(x, gate_weight, up_weight, down_weight):
+    """A Llama MLP, ``(silu(x @ gate_weightᵀ) · (x @ up_weightᵀ)) @ down_weightᵀ``, that keeps
+    only its inputs for backward.
+
+    Made for layers under non-reentrant activation checkpointing: the recomputation of the layer
+    stops at this MLP's input, and the backward recomputes the gate and up projections itself,
+    one slice of the intermediate dimension (as wide as ``H`` at most) at a time. The matmuls
+    are those of a checkpointed plain MLP; the memory of its backward drops from four ``[N, I]``
+    tensors to a few ``[N, ≤H]`` ones. Without checkpointing it costs the two projections again
+    in backward: use :func:`swiglu` between the linear layers there.
+
+    The forward is the plain MLP's (same matmuls, bit for bit); in backward, the weight
+    gradients are exact slices and the input gradient is summed over the slices in ``x``'s dtype.
+
+    Args:
+        x: ``[..., H]``.
+        gate_weight, up_weight: ``[I, H]``; down_weight: ``[H, I]``; all of ``x``'s dtype.
+    Returns ``[..., H]``.
+    """
+    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight)
+    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "silu")
+
+
+def geglu_mlp(x, gate_weight, up_weight, down_weight):
+    """The GeGLU MLP (``gelu_tanh`` gate, Gemma's) as :func:`swiglu_mlp`."""
+    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight)
+    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "gelu_tanh")
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

@@ -1,5 +1,7 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 import reference
 import tigon.functional as tf
@@ -214,3 +216,116 @@ def test_gated_linear_bad_weight_is_named():
         tf.swiglu_linear(gate, up, randn(8, 15))
     with pytest.raises(TypeError, match="gate torch.float32, weight torch.bfloat16"):
         tf.swiglu_linear(gate, up, randn(8, 16, dtype=torch.bfloat16))
+
+
+MLP_FUNCTIONS = {"swiglu": (tf.swiglu_mlp, reference.swiglu), "geglu": (tf.geglu_mlp, reference.geglu)}
+
+
+def _mlp_weights(hidden, inter, dtype, requires_grad=True):
+    """``gate [I, H], up [I, H], down [H, I]``, scaled so that activations stay of order one."""
+    return (
+        randn(inter, hidden, dtype=dtype, requires_grad=requires_grad, scale=hidden**-0.5),
+        randn(inter, hidden, dtype=dtype, requires_grad=requires_grad, scale=hidden**-0.5),
+        randn(hidden, inter, dtype=dtype, requires_grad=requires_grad, scale=inter**-0.5),
+    )
+
+
+def _plain_mlp(x, gate_weight, up_weight, down_weight, gate_fn):
+    linear = torch.nn.functional.linear
+    return linear(gate_fn(linear(x, gate_weight), linear(x, up_weight)), down_weight)
+
+
+# Hidden and intermediate sizes whose slices (at most H wide, a multiple of 64) leave a short last one.
+MLP_SIZES = pick(cpu=[(72, 200), (64, 64)], gpu=[(1024, 2816), (4096, 14336)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", MLP_SIZES)
+@pytest.mark.parametrize("gate_name", MLP_FUNCTIONS)
+def test_gated_mlp(gate_name, sizes, dtype):
+    fn, truth_gate = MLP_FUNCTIONS[gate_name]
+    hidden, inter = sizes
+    x = randn(3, pick(cpu=37, gpu=1000), hidden, dtype=dtype, requires_grad=True)
+    weights = _mlp_weights(hidden, inter, dtype)
+    x64, *weights64 = leaf_copies(x, *weights)
+    out = fn(x, *weights)
+    truth = _plain_mlp(x64, *weights64, truth_gate)
+    # Gate and up round to the dtype before the gate, the product again before the down matmul.
+    assert_close(out, truth, dtype, "output", 2.0)
+    dout = randn(*out.shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    # Every gradient passes through two rounded intermediates (dh, then d_gate / d_up); the input's
+    # is in addition a sum of per-slice matmuls rounded to the dtype.
+    for name, tensor, truth_tensor in zip(("x", "gate", "up", "down"), (x, *weights), (x64, *weights64)):
+        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}", 3.0 if name == "x" else 2.0)
+
+
+@pytest.mark.parametrize("gate_name", MLP_FUNCTIONS)
+def test_gated_mlp_forward_is_the_plain_mlp(gate_name):
+    fn, _ = MLP_FUNCTIONS[gate_name]
+    x = randn(2, 19, 72, dtype=torch.bfloat16)
+    weights = _mlp_weights(72, 200, torch.bfloat16, requires_grad=False)
+    assert torch.equal(fn(x, *weights), _plain_mlp(x, *weights, GATES[gate_name][0]))
+
+
+def test_gated_mlp_keeps_only_its_inputs():
+    x = randn(40, 64, requires_grad=True)
+    weights = _mlp_weights(64, 160, torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tf.swiglu_mlp(x, *weights)
+    assert [t.data_ptr() for t in saved] == [t.data_ptr() for t in (x, *weights)]
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """Counts ``2·m·n·k`` over every matmul run in the mode (all overloads, in-place and out=)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def test_gated_mlp_under_checkpointing_recomputes_no_matmul():
+    """Non-reentrant checkpointing recomputes a layer up to the last tensor it saved. The MLP saves
+    its input before its matmuls, so checkpointing it costs the FLOPs of checkpointing the plain
+    MLP (whose recomputation runs gate and up and stops at the down projection's input), not a
+    whole forward more."""
+
+    def flops(mlp):
+        x = randn(3, 40, 64, requires_grad=True)
+        weights = _mlp_weights(64, 160, torch.float32)
+        with _MatmulFlops() as counter:
+            checkpoint(mlp, x, *weights, use_reentrant=False).sum().backward()
+        return counter.flops
+
+    plain = flops(lambda x, *weights: _plain_mlp(x, *weights, tf.swiglu))
+    assert flops(tf.swiglu_mlp) == plain
+    # Something saved after the MLP makes the recomputation run it whole: three matmuls more.
+    assert flops(lambda x, *weights: tf.swiglu_mlp(x, *weights).sin()) == plain + 3 * 2 * 120 * 64 * 160
+
+
+def test_gated_mlp_only_requested_gradients():
+    x = randn(20, 64, requires_grad=True)
+    gate_weight, up_weight, down_weight = _mlp_weights(64, 160, torch.float32)
+    down_weight.requires_grad_(False)
+    tf.swiglu_mlp(x, gate_weight, up_weight, down_weight).sum().backward()
+    assert x.grad is not None and gate_weight.grad is not None and up_weight.grad is not None
+    assert down_weight.grad is None
+
+
+def test_gated_mlp_bad_weights_are_named():
+    x = randn(4, 16)
+    gate_weight, up_weight, down_weight = _mlp_weights(16, 40, torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match=r"gate_weight must have shape \(40, 16\).*got \(40, 15\)"):
+        tf.swiglu_mlp(x, gate_weight[:, :15], up_weight, down_weight)
+    with pytest.raises(ValueError, match=r"down_weight must have shape \(16, 40\).*got \(40, 16\)"):
+        tf.geglu_mlp(x, gate_weight, up_weight, down_weight.T)
+    with pytest.raises(TypeError, match="x torch.float32, gate_weight torch.float32, up_weight torch.bfloat16"):
+        tf.swiglu_mlp(x, gate_weight, up_weight.bfloat16(), down_weight)

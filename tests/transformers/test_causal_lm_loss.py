@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import tigon.functional
+
 from tigon.transformers import apply_tigon, apply_tigon_to_llama
 from tiny_models import SEQ, tiny_batch, tiny_model
 from utils import DEVICE, pick, relative_error
@@ -84,16 +86,29 @@ def test_cross_entropy_on_transformed_logits(model_type):
     assert_matches_plain(model_type, flags=flags, input_ids=input_ids, labels=labels)
 
 
+@pytest.mark.parametrize("patch_first", [True, False])
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_gradient_checkpointing(use_reentrant):
+def test_gradient_checkpointing(use_reentrant, patch_first, monkeypatch):
+    # Under non-reentrant checkpointing the MLPs keep only their input (tigon.functional.swiglu_mlp),
+    # whether checkpointing was switched on before or after patching.
+    whole_mlp_calls = []
+    swiglu_mlp = tigon.functional.swiglu_mlp
+    monkeypatch.setattr(tigon.functional, "swiglu_mlp", lambda *args: whole_mlp_calls.append(1) or swiglu_mlp(*args))
     input_ids, labels = tiny_batch()
     truth, truth_grads = loss_and_grads(tiny_model("llama"), input_ids=input_ids, labels=labels)
-    model = apply_tigon(tiny_model("llama"))
+    model = apply_tigon(tiny_model("llama")) if patch_first else tiny_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model = model if patch_first else apply_tigon(model)
     output, grads = loss_and_grads(model, input_ids=input_ids, labels=labels)
     assert relative_error(output.loss, truth.loss) <= TOLERANCE
     for name, grad in truth_grads.items():
         assert relative_error(grads[name], grad) <= TOLERANCE, f"grad of {name}"
+    # Each layer calls it in the forward, and again in the recomputation, which stops inside it.
+    expected_calls = 0 if use_reentrant else 2 * model.config.num_hidden_layers
+    assert len(whole_mlp_calls) == expected_calls
+    model.gradient_checkpointing_disable()
+    loss_and_grads(model, input_ids=input_ids, labels=labels)
+    assert len(whole_mlp_calls) == expected_calls
 
 
 def test_moe_router_loss_is_added():

@@ -259,6 +259,95 @@ class GatedLinearFunction(torch.autograd.Function):
         )
 
 
+class GatedMLPInputsFunction(torch.autograd.Function):
+    """The identity on ``x`` that saves the MLP's inputs for :class:`GatedMLPFunction`.
+
+    A custom function's tensors are packed for backward after its forward has run. Under
+    non-reentrant checkpointing, which recomputes a layer until the last tensor the layer saved
+    is saved again, an MLP function saving ``x`` would therefore have its three matmuls
+    recomputed for nothing. This function saves them before that work; the MLP function saves
+    nothing and reads them back through this node (``x.grad_fn`` of its input).
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, up_weight, down_weight):
+        ctx.save_for_backward(x, gate_weight, up_weight, down_weight)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, None, None, None
+
+
+class GatedMLPFunction(torch.autograd.Function):
+    """``down(act(x @ gateᵀ) · (x @ upᵀ))`` keeping nothing but its inputs (see :func:`gated_mlp`).
+
+    Backward recomputes the projections one slice of the intermediate dimension at a time, so
+    its working set is a few ``[N, slice]`` tensors instead of four ``[N, I]`` ones. Per slice
+    ``s`` (rows of ``gate`` and ``up``, columns of ``down``)::
+
+        [g | u]  = x @ [gate_s; up_s]ᵀ           one matmul over the concatenated weight slices
+        dh       = dout @ down_s
+        dg, du   = gated backward (over g, u);   h = act(g) · u (over dh)
+        d_down_s = doutᵀ @ h,   d_gate_s = dgᵀ @ x,   d_up_s = duᵀ @ x
+        dx      += [dg | du] @ [gate_s; up_s]
+
+    The weight gradients are exact slices (each reduces over all ``N`` rows); only ``dx`` is a
+    sum over slices.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, up_weight, down_weight, activation, slice_width):
+        ctx.inputs_node = x.grad_fn
+        ctx.activation, ctx.slice_width = activation, slice_width
+        x_rows = as_rows(x)
+        linear = torch.nn.functional.linear
+        h = gated_fwd(linear(x_rows, gate_weight), linear(x_rows, up_weight), activation)
+        return linear(h, down_weight).view(*x.shape[:-1], down_weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, gate_weight, up_weight, down_weight = ctx.inputs_node.saved_tensors
+        x_rows, dout_rows = as_rows(x), as_rows(dout)
+        need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
+        grad_gate = torch.empty_like(gate_weight) if need_gate else None
+        grad_up = torch.empty_like(up_weight) if need_up else None
+        grad_down = torch.empty_like(down_weight) if need_down else None
+        grad_x = None
+        for start in range(0, gate_weight.shape[0], ctx.slice_width):
+            rows = slice(start, start + ctx.slice_width)
+            gate_up_weight = torch.cat((gate_weight[rows], up_weight[rows]))
+            width = gate_up_weight.shape[0] // 2
+            gate_up = x_rows @ gate_up_weight.T
+            gate, up = gate_up[:, :width], gate_up[:, width:]
+            dh_then_h = dout_rows @ down_weight[:, rows]
+            gated_bwd_recompute(dh_then_h, gate, up, ctx.activation, True)  # gate_up is now [dg | du]
+            if need_down:
+                grad_down[:, rows] = dout_rows.T @ dh_then_h
+            if need_gate:
+                torch.mm(gate.T, x_rows, out=grad_gate[rows])
+            if need_up:
+                torch.mm(up.T, x_rows, out=grad_up[rows])
+            if need_x:
+                grad_x = gate_up @ gate_up_weight if grad_x is None else grad_x.addmm_(gate_up, gate_up_weight)
+        grad_x = grad_x.view(x.shape) if need_x else None
+        return grad_x, grad_gate, grad_up, grad_down, None, None
+
+
+def gated_mlp(x, gate_weight, up_weight, down_weight, activation):
+    """A gated MLP on ``x [..., H]`` (weights ``[I, H], [I, H], [H, I]``) that keeps only its
+    inputs for backward; inputs validated by :mod:`tigon.functional`.
+
+    The backward's slices of the intermediate dimension are as wide as ``H`` at most (rounded to
+    a multiple of 64), so each slice's tensors are no larger than ``x``.
+    """
+    n_inter, n_hidden = gate_weight.shape
+    n_slices = triton.cdiv(n_inter, n_hidden)
+    slice_width = triton.cdiv(triton.cdiv(n_inter, n_slices), 64) * 64
+    x_kept = GatedMLPInputsFunction.apply(x, gate_weight, up_weight, down_weight)
+    return GatedMLPFunction.apply(x_kept, gate_weight, up_weight, down_weight, activation, slice_width)
+
+
 def gated_linear(gate, up, weight, bias, activation, inplace_backward):
     """``(act(gate) · up) @ weightᵀ (+ bias)``; inputs validated by :mod:`tigon.functional`."""
     return GatedLinearFunction.apply(gate, up, weight, bias, activation, inplace_backward)

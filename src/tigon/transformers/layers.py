@@ -9,7 +9,10 @@ attributes filled in from the family's row of :data:`tigon.transformers.families
 
 from __future__ import annotations
 
+import torch
+
 from tigon import functional as F
+from tigon.nn import linear_weight_usable
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
 GATE_ACTIVATIONS = {
@@ -43,6 +46,10 @@ class TigonMLP:
 
     gate = "swiglu"  # also the name of the tigon.functional kernel
     activation_attribute = "hidden_act"
+    # Hugging Face's gradient_checkpointing_enable() sets these on every module that has the
+    # attribute, as on its decoder layers (the MLP's layer among them).
+    gradient_checkpointing = False
+    _gradient_checkpointing_func = None
 
     def __init__(self, config, *args, **kwargs):
         check_activation(type(self), config)
@@ -53,10 +60,33 @@ class TigonMLP:
         return getattr(F, self.gate)(gate, up, inplace_backward=True)
 
 
+    def _recomputed_by_checkpointing(self, x) -> bool:
+        """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
+        default), which recomputes the layer before its backward."""
+        checkpoint_options = getattr(self._gradient_checkpointing_func, "keywords", {})
+        return (
+            self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+            and checkpoint_options.get("use_reentrant") is False
+            and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()
+        )
+
+
 class TigonGatedMLP(TigonMLP):
-    """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate fused (Llama, Gemma, Qwen...)."""
+    """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate fused (Llama, Gemma, Qwen...).
+
+    Under non-reentrant checkpointing, plain bias-free projections go through
+    :func:`tigon.functional.swiglu_mlp` (or ``geglu_mlp``): the recomputation stops at the MLP's
+    input and the backward recomputes the projections slice by slice, the same matmuls in a
+    fraction of the memory. Otherwise (and for wrapped or hooked projections, e.g. LoRA) the
+    projections are called as modules.
+    """
 
     def forward(self, x):
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if self._recomputed_by_checkpointing(x) and all(
+            linear_weight_usable(linear, x) and linear.bias is None for linear in projections
+        ):
+            return getattr(F, f"{self.gate}_mlp")(x, *(linear.weight for linear in projections))
         return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -67,6 +97,23 @@ class TigonFusedGateUpMLP(TigonMLP):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self._gated(gate, up))
+
+
+def follow_gradient_checkpointing(model) -> None:
+    """Give the patched MLPs of ``model`` the checkpointing settings of its layers, which Hugging
+    Face set before they were patched (nothing to do when checkpointing is off)."""
+    checkpoint = next(
+        (
+            getattr(module, "_gradient_checkpointing_func", None) for module in model.modules()
+            if getattr(module, "gradient_checkpointing", False) and not isinstance(module, TigonMLP)
+        ),
+        None,
+    )
+    if checkpoint is None:
+        return
+    for module in model.modules():
+        if isinstance(module, TigonMLP):
+            module.gradient_checkpointing, module._gradient_checkpointing_func = True, checkpoint
 
 
 def check_activation(mlp_class, config) -> None:

@@ -119,6 +119,7 @@ def apply_family(
             for layer in hf_model.modules():
                 if type(layer) is original:
                     layer.__class__ = tigon
+        layers.follow_gradient_checkpointing(hf_model)
     else:
         for name, _, tigon in class_patches:
             setattr(module, name, tigon)
