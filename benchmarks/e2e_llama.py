@@ -80,7 +80,7 @@ def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peak
     return loss.item()
 
 
-def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int = 12) -> list[dict]:
+def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int = 24) -> list[dict]:
     """The ``top`` largest allocations alive at the peak of one recorded step, with the frames of
     tigon, transformers or the optimizer that allocated them."""
     torch.cuda.memory._record_memory_history(max_entries=200_000)
@@ -99,9 +99,9 @@ def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int
     keep = ("tigon", "transformers", "optim", "autograd", "checkpoint")
     rows = []
     for event in sorted(peak_live.values(), key=lambda e: -e["size"])[:top]:
-        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event["frames"]
-                  if any(k in f["filename"] for k in keep)]
-        rows.append({"mib": event["size"] / 2**20, "frames": frames[:4]})
+        frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in event["frames"]]
+        ours = [frame for frame, f in zip(frames, event["frames"]) if any(k in f["filename"] for k in keep)]
+        rows.append({"mib": event["size"] / 2**20, "frames": (ours or frames)[:4]})
     return rows
 
 

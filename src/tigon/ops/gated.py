@@ -307,31 +307,39 @@ class GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x, gate_weight, up_weight, down_weight = ctx.inputs_node.saved_tensors
+        x, *weights = ctx.inputs_node.saved_tensors
         x_rows, dout_rows = as_rows(x), as_rows(dout)
-        need_x, need_gate, need_up, need_down = ctx.needs_input_grad[:4]
-        grad_gate = torch.empty_like(gate_weight) if need_gate else None
-        grad_up = torch.empty_like(up_weight) if need_up else None
-        grad_down = torch.empty_like(down_weight) if need_down else None
+        grads = [torch.empty_like(w) if need else None for w, need in zip(weights, ctx.needs_input_grad[1:4])]
         grad_x = None
-        for start in range(0, gate_weight.shape[0], ctx.slice_width):
-            rows = slice(start, start + ctx.slice_width)
-            gate_up_weight = torch.cat((gate_weight[rows], up_weight[rows]))
-            width = gate_up_weight.shape[0] // 2
-            gate_up = x_rows @ gate_up_weight.T
-            gate, up = gate_up[:, :width], gate_up[:, width:]
-            dh_then_h = dout_rows @ down_weight[:, rows]
-            gated_bwd_recompute(dh_then_h, gate, up, ctx.activation, True)  # gate_up is now [dg | du]
-            if need_down:
-                grad_down[:, rows] = dout_rows.T @ dh_then_h
-            if need_gate:
-                torch.mm(gate.T, x_rows, out=grad_gate[rows])
-            if need_up:
-                torch.mm(up.T, x_rows, out=grad_up[rows])
-            if need_x:
-                grad_x = gate_up @ gate_up_weight if grad_x is None else grad_x.addmm_(gate_up, gate_up_weight)
-        grad_x = grad_x.view(x.shape) if need_x else None
-        return grad_x, grad_gate, grad_up, grad_down, None, None
+        for start in range(0, weights[0].shape[0], ctx.slice_width):
+            # In a call of its own, so that a slice's tensors are freed before the next one's exist.
+            grad_x = _gated_mlp_slice_backward(
+                slice(start, start + ctx.slice_width), x_rows, dout_rows, weights, grads, grad_x,
+                ctx.activation, ctx.needs_input_grad[0],
+            )
+        return grad_x if grad_x is None else grad_x.view(x.shape), *grads, None, None
+
+
+def _gated_mlp_slice_backward(rows, x_rows, dout_rows, weights, grads, grad_x, activation, need_x):
+    """One slice of :class:`GatedMLPFunction`'s backward: writes the slice's rows (columns of
+    ``down``) of the weight gradients in ``grads`` and returns ``grad_x`` with the slice's term added."""
+    gate_weight, up_weight, down_weight = weights
+    grad_gate, grad_up, grad_down = grads
+    gate_up_weight = torch.cat((gate_weight[rows], up_weight[rows]))
+    width = gate_up_weight.shape[0] // 2
+    gate_up = x_rows @ gate_up_weight.T
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    dh_then_h = dout_rows @ down_weight[:, rows]
+    gated_bwd_recompute(dh_then_h, gate, up, activation, True)  # gate_up is now [d_gate | d_up]
+    if grad_down is not None:
+        grad_down[:, rows] = dout_rows.T @ dh_then_h
+    if grad_gate is not None:
+        torch.mm(gate.T, x_rows, out=grad_gate[rows])
+    if grad_up is not None:
+        torch.mm(up.T, x_rows, out=grad_up[rows])
+    if not need_x:
+        return None
+    return gate_up @ gate_up_weight if grad_x is None else grad_x.addmm_(gate_up, gate_up_weight)
 
 
 def gated_mlp(x, gate_weight, up_weight, down_weight, activation):
