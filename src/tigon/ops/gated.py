@@ -29,6 +29,11 @@ backward computes ``dh = dout·W`` into a new buffer, and one kernel reads ``gat
 writes ``d_gate, d_up`` over ``gate, up`` and the recomputed ``h`` over ``dh``, from which
 ``dW`` follows.
 
+The whole MLP (:class:`GatedMLPFunction`, ``x`` and the three weights in, ``[..., H]`` out) keeps
+nothing but its inputs, saved by a separate identity function before any matmul (the reason is in
+:class:`GatedMLPInputsFunction`); its backward recomputes ``gate`` and ``up`` per slice of the
+intermediate dimension.
+
 Shapes: ``gate, up [...]`` of one shape and dtype (fp32/bf16/fp16), handled as ``[rows, cols]``
 row views (any row stride, e.g. the two halves of a fused gate/up projection, read in place);
 math in fp32, one rounding on store. Bytes per call (the roofline): forward reads gate and up and
