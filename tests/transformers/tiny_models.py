@@ -77,25 +77,64 @@ def tiny_batch(seed: int = 0):
 
 @dataclasses.dataclass
 class Run:
+    """What a run records: before each step, the weights and the loss and gradients they give;
+    after the last, the weights and their eval logits."""
+
+    weights: list[dict[str, torch.Tensor]]
     losses: list[torch.Tensor]
     grads: list[dict[str, torch.Tensor]]
     eval_logits: torch.Tensor
 
 
-def train(model, steps: int = STEPS, **forward_options) -> Run:
-    """``steps`` AdamW steps on one fixed batch, then an eval forward on it."""
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _loss_and_grads(model, **forward_options):
     input_ids, labels = tiny_batch()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
     model.train()
-    for _ in range(steps):
-        output = model(input_ids=input_ids, labels=labels, **forward_options)
-        output.loss.backward()
-        losses.append(output.loss.detach())
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    output = model(input_ids=input_ids, labels=labels, **forward_options)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return output.loss.detach(), grads
+
+
+def _eval_logits(model):
     model.eval()
     with torch.no_grad():
-        eval_logits = model(input_ids=input_ids).logits
-    return Run(losses, grads, eval_logits)
+        return model(input_ids=tiny_batch()[0]).logits
+
+
+def train(model, steps: int = STEPS, **forward_options) -> Run:
+    """``steps`` AdamW steps on one fixed batch, then an eval forward on it."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    run = Run([], [], [], None)
+    for _ in range(steps):
+        run.weights.append(_weights(model))
+        loss, grads = _loss_and_grads(model, **forward_options)
+        run.losses.append(loss)
+        run.grads.append(grads)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    run.weights.append(_weights(model))
+    run.eval_logits = _eval_logits(model)
+    return run
+
+
+def replay(model, reference: Run, **forward_options) -> Run:
+    """``model`` given ``reference``'s weights at each of its steps (cast to ``model``'s dtype):
+    the loss and gradients of each, and the eval logits of the last. Each step then compares
+    the two models on the same weights, apart from where the runs' own rounding took them."""
+    run = Run([], [], [], None)
+    for weights in reference.weights:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+        if len(run.weights) < len(reference.losses):
+            loss, grads = _loss_and_grads(model, **forward_options)
+            run.losses.append(loss)
+            run.grads.append(grads)
+            model.zero_grad(set_to_none=True)
+        run.weights.append(weights)
+    run.eval_logits = _eval_logits(model)
+    return run
