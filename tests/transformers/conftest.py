@@ -2,8 +2,7 @@ import importlib
 
 import pytest
 
-from tigon.transformers import FAMILIES, layers
-from tiny_models import SEQ
+from tigon.transformers import FAMILIES
 
 
 @pytest.fixture(autouse=True)
@@ -24,10 +23,3 @@ def hugging_face_modules_restored():
                 setattr(causal_lm, method, class_names[method])
             elif method in vars(causal_lm):
                 delattr(causal_lm, method)
-
-
-@pytest.fixture(autouse=True)
-def attention_by_sequence(monkeypatch):
-    """The tiny models' batches are far below a chunk of tigon's SDPA: one sequence per chunk
-    instead, so that every patched model's attention runs by chunks."""
-    monkeypatch.setattr(layers, "ATTENTION_CHUNK_TOKENS", SEQ)

@@ -73,13 +73,10 @@ def test_patching_twice_changes_nothing_more():
 
 
 def test_flags_switch_patches_off():
-    model = apply_tigon(
-        tiny_model("llama"), rope=False, swiglu=False, fused_linear_cross_entropy=False, attention=False,
-    )
+    model = apply_tigon(tiny_model("llama"), rope=False, swiglu=False, fused_linear_cross_entropy=False)
     assert isinstance(model.model.norm, layers.TigonRMSNorm)
     assert not isinstance(model.model.layers[0].mlp, layers.TigonMLP)
     assert llama_module.apply_rotary_pos_emb is not layers.apply_rotary_pos_emb
-    assert llama_module.ALL_ATTENTION_FUNCTIONS is not layers.ATTENTION_FUNCTIONS
     assert not hasattr(model.forward, "tigon_wraps")
 
 
@@ -160,8 +157,6 @@ def test_activation_the_kernel_does_not_compute_is_refused():
 
 def test_renamed_class_is_named_in_the_error():
     renamed = dataclasses.replace(FAMILIES["llama"], rms_norm="LlamaRMSNormV2")
-    flags = dict(
-        rope=True, rms_norm=True, gated=True, cross_entropy=False, fused_linear_cross_entropy=True, attention=True,
-    )
+    flags = dict(rope=True, rms_norm=True, gated=True, cross_entropy=False, fused_linear_cross_entropy=True)
     with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(RMSNorm class\\).*Pass rms_norm=False"):
         patching.apply_family(renamed, **flags)

@@ -55,9 +55,7 @@ apply_tigon_to_granite = family_patcher("granite")
 
 PATCHERS = {model_type: globals()[f"apply_tigon_to_{model_type}"] for model_type in FAMILIES}
 # Every flag some patcher takes; AutoTigonForCausalLM tells them from from_pretrained's arguments.
-FLAGS = (
-    "rope", "rms_norm", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "layer_norm", "attention",
-)
+FLAGS = ("rope", "rms_norm", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "layer_norm")
 
 
 def apply_tigon(model, **flags):

@@ -25,8 +25,6 @@ class Family:
         rms_norm_casting: ``"llama"`` (round to the input dtype, then scale by the weight) or
             ``"gemma"`` (scale in fp32, round once), as the family's own RMSNorm does.
         rope: the module-level rotary function the attention calls, or ``None``.
-        attention_functions: the module-level ``AttentionInterface`` in which the attention
-            layers look up their function by ``config._attn_implementation``.
         mlp: the dense MLP class, or ``None`` (Mixtral: its experts keep their own forward).
         mlp_layout: ``"separate"`` (``gate_proj``, ``up_proj``, ``down_proj``) or ``"gate_up"``
             (one ``gate_up_proj`` producing ``[gate | up]``, then ``down_proj``).
@@ -47,7 +45,6 @@ class Family:
     rms_norm_offset: float = 0.0
     rms_norm_casting: str = "llama"
     rope: str | None = "apply_rotary_pos_emb"
-    attention_functions: str = "ALL_ATTENTION_FUNCTIONS"
     mlp_layout: str = "separate"
     gate: str = "swiglu"
     activation: str = "hidden_act"

@@ -10,8 +10,6 @@ attributes filled in from the family's row of :data:`tigon.transformers.families
 from __future__ import annotations
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import AttentionInterface
 
 from tigon import functional as F
 from tigon.nn import linear_weight_usable
@@ -60,6 +58,7 @@ class TigonMLP:
     def _gated(self, gate, up):
         # The projections' outputs feed nothing but the gate, so its backward may overwrite them.
         return getattr(F, self.gate)(gate, up, inplace_backward=True)
+
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -144,45 +143,3 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         q_rot, k_rot = F.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, rotary_dim=cos.shape[-1])
         return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
     raise ValueError(f"unsqueeze_dim must be 1 ([B, H, T, D] inputs) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}")
-
-
-# Tokens per chunk of the batch in sdpa_attention_by_chunks (whole sequences, at least one).
-ATTENTION_CHUNK_TOKENS = 4096
-
-
-def sdpa_attention_by_chunks(module, query, key, value, attention_mask, **kwargs):
-    """Hugging Face's ``sdpa`` attention function, run over chunks of the batch when a backward
-    will follow.
-
-    SDPA's fused backward (cuDNN's on Hopper) holds a workspace that grows with its whole call:
-    514 MiB (fp32 accumulators) for a bf16 ``[4, 32, 4096, 128]`` query, four times the query,
-    more than any other transient of a checkpointed layer's backward. Chunks of at most
-    :data:`ATTENTION_CHUNK_TOKENS` tokens (whole sequences) bound that to one chunk's. Each
-    sequence attends only to itself, so the result is the same; the price is one copy of the
-    output (the chunks' concatenation) and one of the inputs' gradients (autograd joins the chunks'
-    gradients of each split input).
-
-    Args and result are those of ``transformers.integrations.sdpa_attention.sdpa_attention_forward``:
-    ``query [B, Hq, T, D]``, ``key`` / ``value [B, Hk, S, D]``, ``attention_mask`` ``None`` or
-    ``[B or 1, 1, T, S]``; returns ``([B, T, Hq, D], None)``. Without gradients, or with a
-    ``position_bias`` (shaped per model), it is one call.
-    """
-    batch, seq_len = query.shape[0], query.shape[2]
-    per_chunk = max(1, ATTENTION_CHUNK_TOKENS // seq_len)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if batch <= per_chunk or not needs_grad or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    chunks = [query.split(per_chunk), key.split(per_chunk), value.split(per_chunk)]
-    if attention_mask is not None and attention_mask.shape[0] == batch:
-        chunks.append(attention_mask.split(per_chunk))
-    else:
-        chunks.append([attention_mask] * len(chunks[0]))
-    outputs = [sdpa_attention_forward(module, *chunk, **kwargs)[0] for chunk in zip(*chunks)]
-    return torch.cat(outputs), None
-
-
-# What the patched modeling modules look their attention function up in: Hugging Face's
-# functions, with ``"sdpa"`` run by chunks of the batch (a local override; other keys, including
-# ones registered later, come from Hugging Face's global table).
-ATTENTION_FUNCTIONS = AttentionInterface()
-ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_by_chunks

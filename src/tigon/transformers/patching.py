@@ -3,16 +3,14 @@
 Two ways, one table:
 
 - **before a model is built** (``model=None``): the family's modeling module gets tigon's classes
-  in place of its RMSNorm and MLP classes, tigon's rotary function in place of its own, an
-  attention function table whose ``sdpa`` runs by chunks of the batch, and its
+  in place of its RMSNorm and MLP classes, tigon's rotary function in place of its own, and its
   causal LM class a wrapped ``forward`` (and ``post_init``, which registers the loss path's hook
   on each new model's ``lm_head``); every model of the family built afterwards uses them.
 - **on a built model** (``model=...``): each RMSNorm and MLP instance of the model changes class
   in place (``module.__class__``), keeping its parameters, device and dtype, and the model gets
   the wrapped ``forward`` as an instance attribute. The attention layers call the rotary function
-  and look up their attention function through their modeling module's global names, so this
-  path patches those module-level names as well: every model of the family in the process then
-  uses tigon's RoPE and chunked SDPA (same math).
+  through their modeling module's global name, so this path patches that module-level function
+  as well: every model of the family in the process then uses tigon's RoPE (same math).
 
 Patches accumulate and are idempotent; there is no unpatching.
 """
@@ -95,7 +93,7 @@ def base_model(model):
 
 def apply_family(
     family: Family, *, rope: bool, rms_norm: bool, gated: bool, cross_entropy: bool,
-    fused_linear_cross_entropy: bool, attention: bool, model=None,
+    fused_linear_cross_entropy: bool, model=None,
 ):
     """Patch ``family``'s modeling module (``model=None``) or ``model`` in place; see the module
     docstring. Returns ``model``."""
@@ -108,8 +106,6 @@ def apply_family(
     module = _modeling_module(family)
     class_patches = _class_patches(family, module, rms_norm, gated)
     rope_function = _lookup(module, family.rope, "rotary function", "rope") if rope and family.rope else None
-    if attention:
-        _lookup(module, family.attention_functions, "attention function table", "attention")
     causal_lm = _lookup(module, family.causal_lm, "causal LM class", loss) if loss else None
 
     if model is not None:
@@ -130,8 +126,6 @@ def apply_family(
 
     if rope_function is not None:
         setattr(module, family.rope, layers.apply_rotary_pos_emb)
-    if attention:
-        setattr(module, family.attention_functions, layers.ATTENTION_FUNCTIONS)
     if causal_lm is not None:
         if model is None:
             causal_lm.forward = wrap_causal_lm_forward(causal_lm.forward, family, loss)
@@ -147,7 +141,7 @@ def apply_family(
 
 def family_patcher(model_type: str):
     """``apply_tigon_to_<family>(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-    fused_linear_cross_entropy=True, layer_norm=True, attention=True, model=None)`` for one row of the table
+    fused_linear_cross_entropy=True, layer_norm=True, model=None)`` for one row of the table
     (``geglu=`` in place of ``swiglu=`` where the MLP is GeGLU)."""
     family = FAMILIES[model_type]
     signature = inspect.Signature(
@@ -155,7 +149,7 @@ def family_patcher(model_type: str):
             inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
             for name, default in (
                 ("rope", True), ("rms_norm", True), (family.gate, True), ("cross_entropy", False),
-                ("fused_linear_cross_entropy", True), ("layer_norm", True), ("attention", True), ("model", None),
+                ("fused_linear_cross_entropy", True), ("layer_norm", True), ("model", None),
             )
         ]
     )
@@ -186,9 +180,6 @@ def family_patcher(model_type: str):
         fused_linear_cross_entropy: in training with labels, the loss straight from the hidden
             states and lm_head's weight, never building the logits (``logits=None`` is returned).
         layer_norm: accepted for a uniform signature; this family has no LayerNorm.
-        attention: in training, the ``sdpa`` attention runs over chunks of the batch, bounding
-            its backward's workspace (same result; see
-            :func:`tigon.transformers.layers.sdpa_attention_by_chunks`).
         model: a built model to patch in place, or ``None``.
     """
     return patch
