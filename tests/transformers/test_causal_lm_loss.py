@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import tigon.functional
-
 from tigon.transformers import apply_tigon, apply_tigon_to_llama
 from tiny_models import SEQ, tiny_batch, tiny_model
 from utils import DEVICE, pick, relative_error

@@ -90,10 +90,16 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _loss_and_grads(model, **forward_options):
+def _load_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+
+
+def _loss_and_grads(model):
     input_ids, labels = tiny_batch()
     model.train()
-    output = model(input_ids=input_ids, labels=labels, **forward_options)
+    output = model(input_ids=input_ids, labels=labels)
     output.loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return output.loss.detach(), grads
@@ -105,13 +111,13 @@ def _eval_logits(model):
         return model(input_ids=tiny_batch()[0]).logits
 
 
-def train(model, steps: int = STEPS, **forward_options) -> Run:
-    """``steps`` AdamW steps on one fixed batch, then an eval forward on it."""
+def train(model) -> Run:
+    """``STEPS`` AdamW steps on one fixed batch, then an eval forward on it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     run = Run([], [], [], None)
-    for _ in range(steps):
+    for _ in range(STEPS):
         run.weights.append(_weights(model))
-        loss, grads = _loss_and_grads(model, **forward_options)
+        loss, grads = _loss_and_grads(model)
         run.losses.append(loss)
         run.grads.append(grads)
         optimizer.step()
@@ -121,20 +127,18 @@ def train(model, steps: int = STEPS, **forward_options) -> Run:
     return run
 
 
-def replay(model, reference: Run, **forward_options) -> Run:
-    """``model`` given ``reference``'s weights at each of its steps (cast to ``model``'s dtype):
-    the loss and gradients of each, and the eval logits of the last. Each step then compares
-    the two models on the same weights, apart from where the runs' own rounding took them."""
-    run = Run([], [], [], None)
-    for weights in reference.weights:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(weights[name])
-        if len(run.weights) < len(reference.losses):
-            loss, grads = _loss_and_grads(model, **forward_options)
-            run.losses.append(loss)
-            run.grads.append(grads)
-            model.zero_grad(set_to_none=True)
-        run.weights.append(weights)
+def replay(model, reference: Run) -> Run:
+    """``model`` given ``reference``'s weights before each of its steps (cast to ``model``'s
+    dtype): each step's loss and gradients; then, given its final weights, the eval logits. Both
+    models are then compared on the same weights at every step, free of how far two independently
+    trained runs drift apart."""
+    run = Run(reference.weights, [], [], None)
+    for weights in reference.weights[:-1]:
+        _load_weights(model, weights)
+        loss, grads = _loss_and_grads(model)
+        run.losses.append(loss)
+        run.grads.append(grads)
+        model.zero_grad(set_to_none=True)
+    _load_weights(model, reference.weights[-1])
     run.eval_logits = _eval_logits(model)
     return run

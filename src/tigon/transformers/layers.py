@@ -59,7 +59,6 @@ class TigonMLP:
         # The projections' outputs feed nothing but the gate, so its backward may overwrite them.
         return getattr(F, self.gate)(gate, up, inplace_backward=True)
 
-
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
         default), which recomputes the layer before its backward."""
