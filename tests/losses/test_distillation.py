@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.losses.distillation as distill
 from tigon.ops import divergence
 from utils import DEVICE, ON_GPU, assert_close, leaf_copies, pick, randn

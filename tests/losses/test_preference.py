@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.losses as tl
 from utils import DEVICE, assert_close, leaf_copies, pick, randn
 

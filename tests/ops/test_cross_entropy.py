@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn
 from utils import DEVICE, DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn

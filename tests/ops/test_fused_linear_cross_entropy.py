@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn
 from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, chunk_rows_for

@@ -3,7 +3,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-import reference
+from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn as tnn
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn

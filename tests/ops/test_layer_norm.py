@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.functional as tf
 from tigon.ops import layer_norm as layer_norm_ops
 from utils import DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.functional as tf
 from tigon.ops import rms_norm as rms_norm_ops
 from utils import DTYPES, assert_close, leaf_copies, pick, randn

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import reference
+from tigon.testing import reference
 import tigon.functional as tf
 from tigon.ops.rope import rope_rotate
 from utils import DEVICE, DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn

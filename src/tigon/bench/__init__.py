@@ -5,7 +5,7 @@
 - :mod:`tigon.bench.runner`: median CUDA-event timings, peak memory, the copy and matmul ceilings.
 - :mod:`tigon.bench.report`: the table, CSV, JSON and plots.
 
-Benchmarks run from a source checkout: the ``torch`` providers call ``tests/reference.py``.
+The ``torch`` and ``torch.compile`` providers call :mod:`tigon.testing.reference`.
 """
 
 from tigon.bench.command import main

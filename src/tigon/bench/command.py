@@ -15,7 +15,6 @@ import torch
 import triton
 
 import tigon
-from tigon._reference import REFERENCE_PATH
 from tigon.bench import report, runner
 from tigon.bench.providers import PROVIDERS, load_providers
 from tigon.bench.specs import MODES, OPS
@@ -52,7 +51,8 @@ def _slug(name: str) -> str:
 
 
 def _default_out(smoke: bool, gpu: str | None) -> Path:
-    checkout = REFERENCE_PATH.parents[1]
+    # The checkout holding src/tigon when run from one (results are committed there), else here.
+    checkout = Path(tigon.__file__).resolve().parents[2]
     root = checkout if (checkout / "pyproject.toml").is_file() else Path.cwd()
     return root / "tigon-out" / "bench-smoke" if smoke else root / "benchmarks" / "results" / _slug(gpu)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tigon._reference import load_reference
+from tigon.testing import reference
 from tigon.bench.specs import OPS
 
 OpTable = dict[str, Callable[[dict[str, Any]], Any]]
@@ -78,11 +78,10 @@ def _tigon_losses() -> OpTable:
 
 
 def _torch() -> OpTable:
-    return _standard_table(load_reference())
+    return _standard_table(reference)
 
 
 def _torch_compile() -> OpTable:
-    reference = load_reference()
     # Static shapes: each swept size is compiled once, on its first (warm-up) call. Dynamo's
     # default limit of 8 recompilations per function would otherwise cap a longer sweep.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

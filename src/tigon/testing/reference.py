@@ -1,4 +1,4 @@
-"""Plain-PyTorch references, one per op: the truth for tests and the ``torch`` provider of benchmarks.
+"""Plain-PyTorch references, one per op: the truth for tests, ``tigon check`` and the ``torch`` providers of ``tigon bench``.
 
 Each follows what Hugging Face's eager modules compute. Given bf16/fp16 inputs they run as the
 eager model does (fp32 math where it upcasts); given fp64 inputs they compute everything in fp64,
