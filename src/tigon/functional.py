@@ -7,6 +7,8 @@ All gradients are exact (fp32 math, one rounding on store) and flow to every ten
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tigon._checks import (
@@ -20,6 +22,7 @@ from tigon._checks import (
 )
 from tigon.ops import cross_entropy as _cross_entropy
 from tigon.ops import fused_linear_cross_entropy as _fused_linear_cross_entropy
+from tigon.ops import fused_linear_logprobs as _fused_linear_logprobs
 from tigon.ops import gated as _gated
 from tigon.ops import layer_norm as _layer_norm
 from tigon.ops import rms_norm as _rms_norm
@@ -39,6 +42,7 @@ __all__ = [
     "geglu_mlp",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "fused_linear_logprobs",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -322,6 +326,26 @@ def cross_entropy(
     )
 
 
+def _check_head(input, weight, bias, target):
+    check_tensor("input", input)
+    check_tensor("weight", weight, dim=2)
+    if weight.shape[1] != input.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = input.shape[-1] = {input.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_shape("bias", bias, (weight.shape[0],), "the vocabulary size, weight.shape[0]")
+    check_same_dtype(input=input, weight=weight, bias=bias)
+    _check_target(target, tuple(input.shape[:-1]), "the leading dimensions of input")
+    check_same_device(input=input, weight=weight, target=target, bias=bias)
+
+
+def _check_chunk_memory(chunk_memory_bytes):
+    if chunk_memory_bytes is not None and chunk_memory_bytes <= 0:
+        raise ValueError(f"chunk_memory_bytes must be None or > 0, got {chunk_memory_bytes!r}")
+
+
 def fused_linear_cross_entropy(
     input,
     weight,
@@ -348,22 +372,76 @@ def fused_linear_cross_entropy(
         Other options as :func:`cross_entropy`.
     Returns: as :func:`cross_entropy`.
     """
-    check_tensor("input", input)
-    check_tensor("weight", weight, dim=2)
-    if weight.shape[1] != input.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = input.shape[-1] = {input.shape[-1]}, got {tuple(weight.shape)}"
-        )
-    if bias is not None:
-        check_tensor("bias", bias)
-        check_shape("bias", bias, (weight.shape[0],), "the vocabulary size, weight.shape[0]")
-    check_same_dtype(input=input, weight=weight, bias=bias)
-    _check_target(target, tuple(input.shape[:-1]), "the leading dimensions of input")
-    check_same_device(input=input, weight=weight, target=target, bias=bias)
+    _check_head(input, weight, bias, target)
     _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
-    if chunk_memory_bytes is not None and chunk_memory_bytes <= 0:
-        raise ValueError(f"chunk_memory_bytes must be None or > 0, got {chunk_memory_bytes!r}")
+    _check_chunk_memory(chunk_memory_bytes)
     return _fused_linear_cross_entropy.fused_linear_cross_entropy(
         input, weight, target, bias, ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
         None if softcap is None else float(softcap), bool(return_z_loss), chunk_memory_bytes,
+    )
+
+
+def fused_linear_logprobs(
+    input,
+    weight,
+    target,
+    bias=None,
+    temperature=1.0,
+    softcap=None,
+    logit_scale=1.0,
+    outputs=("log_probs",),
+    ignore_index=-100,
+    chunk_memory_bytes=None,
+    grad_in_forward=False,
+    backward_context=None,
+):
+    """Per-token log-probabilities of ``target`` under ``input @ weight.T (+ bias)``, and
+    optionally their entropy and more, without holding the ``[N, V]`` logits: the contract of
+    TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``).
+
+    The logits are transformed as ``z = softcap·tanh(logit_scale·y / softcap) / temperature``
+    (no tanh when ``softcap`` is ``None``). Rows whose target is ``ignore_index`` give 0 (False
+    for ``is_top1``) and no gradient. Gradients flow from ``log_probs`` and ``entropy`` to
+    ``input``, ``bias`` and to ``weight`` when it requires grad.
+
+    Args:
+        input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
+        target: ``[...]`` as ``input``'s leading dimensions, int64/int32.
+        temperature: > 0. softcap: ``None`` or > 0 (Gemma's final logit softcap). logit_scale:
+            multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``).
+        outputs: which of ``"log_probs"``, ``"entropy"``, ``"log_sum_sq_probs"`` (``log Σ p²``),
+            ``"mean_logits"`` (mean of ``z``) and ``"is_top1"`` (``target`` is ``argmax z``) to
+            return; the others are ``None``. Each extra field costs a little on every call.
+        chunk_memory_bytes: logits memory per chunk of tokens (default 512 MiB).
+        grad_in_forward: promise that the loss's gradient with respect to ``log_probs`` is the
+            same on every non-ignored token and that ``entropy`` gets none (a sum or mean of
+            log-probs, as SFT's NLL): forward then computes the gradients as the fused linear
+            cross entropy does, ``6·N·H·V`` FLOPs instead of ``8·N·H·V``. Backward checks the
+            promise (one host sync) and recomputes when it does not hold: never wrong, only slower.
+        backward_context: ``None``, or a callable returning a context manager that a recomputing
+            backward runs in, for a weight that must be gathered again to be read (DeepSpeed
+            ZeRO-3: ``lambda: deepspeed.zero.GatheredParameters([weight])``).
+    Returns: ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``target``-shaped,
+        fp32 (``is_top1`` bool), or ``None`` when not in ``outputs``.
+    """
+    _check_head(input, weight, bias, target)
+    if isinstance(outputs, str) or not set(outputs) <= set(_fused_linear_logprobs.FIELDS):
+        raise ValueError(
+            f"outputs must be a sequence of names from {', '.join(map(repr, _fused_linear_logprobs.FIELDS))}; "
+            f"got {outputs!r}"
+        )
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)):
+        raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
+    if backward_context is not None and not callable(backward_context):
+        raise TypeError(f"backward_context must be None or callable, got {type(backward_context).__name__}")
+    _check_chunk_memory(chunk_memory_bytes)
+    return _fused_linear_logprobs.fused_linear_logprobs(
+        input, weight, target, bias, ignore_index, float(temperature), None if softcap is None else float(softcap),
+        float(logit_scale), tuple(outputs), chunk_memory_bytes, bool(grad_in_forward), backward_context,
     )

@@ -56,7 +56,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _softcapped(x, softcap):
+def softcapped(x, softcap):
     # tanh(u) = 2·sigmoid(2u) − 1: portable (no libdevice), exact at ±inf, and its absolute error
     # (~1e-7) is far below what the rounding to bf16/fp16 or an fp32 tolerance notices.
     return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
@@ -102,7 +102,7 @@ def cross_entropy_fwd_kernel(
             # The scalars needed after pass 1 are loaded first: their latency hides behind it.
             z_target = tl.load(logits_row + target).to(tl.float32)
             if HAS_SOFTCAP:
-                z_target = _softcapped(z_target, softcap)
+                z_target = softcapped(z_target, softcap)
             if HAS_GRAD_SCALE:
                 grad_scale = tl.load(GRAD_SCALE + row * stride_grad_scale)
             else:
@@ -120,7 +120,7 @@ def cross_entropy_fwd_kernel(
                 z = tl.load(logits_row + offs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
                 z = z.to(tl.float32)
                 if HAS_SOFTCAP:
-                    z = tl.where(mask, _softcapped(z, softcap), float("-inf"))
+                    z = tl.where(mask, softcapped(z, softcap), float("-inf"))
                 new_max = tl.maximum(running_max, tl.max(z, axis=0))
                 new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
                 sum_exp = sum_exp * tl.exp2((running_max - new_shift) * LOG2E) + tl.sum(
@@ -157,7 +157,7 @@ def cross_entropy_fwd_kernel(
                     z = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
                     z = z.to(tl.float32)
                     if HAS_SOFTCAP:
-                        z = _softcapped(z, softcap)
+                        z = softcapped(z, softcap)
                     grad = tl.exp2((z - shift) * LOG2E) * prob_scale - smoothing_grad
                     grad = tl.where(offs == target, grad - target_grad, grad)
                     if HAS_SOFTCAP:
@@ -189,7 +189,7 @@ def cross_entropy_bwd_kernel(
                 tl.store(grad_row + offs, (grad * grad_output).to(GRAD.dtype.element_ty), mask=mask)
 
 
-def _launch_geometry(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
+def vocab_row_geometry(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCK_V, num_warps, n_programs)`` for the row-looping kernels of this family."""
     block_v, num_warps = row_launch_config(min(n_cols, MAX_BLOCK_BYTES // element_size), element_size)
     n_programs = max(1, min(n_rows, num_programs_for(device, PROGRAMS_PER_SM)))
@@ -214,7 +214,7 @@ def launch_cross_entropy_fwd(
             ``None``.
     """
     n_rows, n_cols = logits.shape
-    block_v, num_warps, n_programs = _launch_geometry(n_rows, n_cols, logits.element_size(), logits.device)
+    block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, logits.element_size(), logits.device)
     cross_entropy_fwd_kernel[(n_programs,)](
         logits, target, grad, grad_scale, loss, z_loss,
         n_rows, n_cols,
@@ -331,7 +331,7 @@ def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """``grad [R, C] *= grad_output`` in place, with ``grad_output`` fp32 ``[1]`` (every row) or
     ``[R]`` (per row); rows whose factor is exactly 1 are not touched."""
     n_rows, n_cols = grad.shape
-    block_v, num_warps, n_programs = _launch_geometry(n_rows, n_cols, grad.element_size(), grad.device)
+    block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, grad.element_size(), grad.device)
     cross_entropy_bwd_kernel[(n_programs,)](
         grad, grad_output,
         n_rows, n_cols,

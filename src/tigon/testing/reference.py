@@ -105,6 +105,33 @@ def fused_linear_cross_entropy(input, weight, target, bias=None, **options):
     return cross_entropy(logits, target, **options)
 
 
+def fused_linear_logprobs(input, weight, target, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
+                          outputs=("log_probs",), ignore_index=-100, **_):
+    """TRL's fused-head fields written out on the full logits (``**_`` takes tigon's performance
+    options)."""
+    logits = input @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    z = logits.to(_compute_dtype(logits.dtype)) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    log_p = z.log_softmax(-1)
+    valid = target != ignore_index
+    fields = {
+        "log_probs": log_p.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1),
+        "entropy": -(log_p.exp() * log_p).sum(-1),
+        "log_sum_sq_probs": torch.logsumexp(2 * log_p, dim=-1),
+        "mean_logits": z.mean(-1),
+        "is_top1": z.argmax(-1) == target,
+    }
+    return tuple(
+        torch.where(valid, fields[name], torch.zeros((), dtype=fields[name].dtype, device=z.device))
+        if name in outputs else None
+        for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    )
+
+
 # --- Preference (tigon.losses.preference) ----------------------------------------------------
 # TRL's formulas on logits built in full: the policy's summed log-probabilities per sequence, then
 # the loss of each trainer. Each returns (loss, summed logps [S]).

@@ -1,0 +1,441 @@
+"""Per-token log-probabilities of ``x @ Wᵀ (+ b)``, and their entropy, without the ``[N, V]`` logits.
+
+This is the contract of TRL's fused LM head, on which TRL's trainers (SFT, DPO, KTO, GRPO, RLOO)
+compute every loss. Per row, from the logits ``y`` and the head's transform::
+
+    z           = softcap · tanh(logit_scale · y / softcap) / temperature    (no tanh without softcap)
+    lse         = log Σ_j exp(z_j),   p = softmax(z)
+    log_prob    = z_t − lse
+    entropy     = −Σ_j p_j log p_j = lse − Σ_j p_j z_j
+    log_sum_sq  = log Σ_j p_j² = log Σ_j exp(2(z_j − m)) − 2 log Σ_j exp(z_j − m)   (any shift m)
+    mean_logit  = Σ_j z_j / V
+    is_top1     = t is the first index where z is largest (``argmax``'s rule for ties)
+
+all in one online pass over each row; rows whose target is ``ignore_index`` give 0 (False) and no
+gradient. Only ``log_prob`` and ``entropy`` carry gradients. With upstream gradients ``g`` (of
+``log_prob``) and ``h`` (of ``entropy``), per row::
+
+    dL/dz_j = g·([j = t] − p_j) − h·p_j·(log p_j + entropy)
+
+The first term is d(z_t − lse)/dz_j (``p_j`` is d lse/dz_j). The second follows from
+dp_k/dz_j = p_k([k = j] − p_j): d(−Σ_k p_k log p_k)/dz_j = −Σ_k (log p_k + 1)·p_k([k = j] − p_j)
+= −p_j (log p_j + 1) + p_j Σ_k p_k (log p_k + 1) = −p_j (log p_j + entropy). The transform's chain
+rule multiplies by dz/dy = logit_scale · (1 − tanh²) / temperature.
+
+``g`` and ``h`` exist only after the caller's loss has read the forward's outputs, so backward
+recomputes each chunk's logits (the chunk loop of :mod:`tigon.ops.fused_linear`): ``8·N·H·V``
+matmul FLOPs in all, where the fused linear cross entropy, whose gradient is known in forward,
+needs ``6·N·H·V``. ``grad_in_forward=True`` is for callers whose loss is a sum or mean of the
+log-probs, as SFT's: the forward then computes the gradients for ``g = 1`` in its chunk loop
+(``6·N·H·V``, what the fused linear cross entropy costs) and backward multiplies them by ``g``,
+provided that ``g`` is the same on every non-ignored row and ``entropy`` has no gradient. If not,
+backward recomputes as above: the result is exact either way, the guess only costs time.
+
+Shapes: ``input [N, H]`` (any row stride), ``weight [V, H]``, ``bias [V]`` or ``None``, one of
+fp32/bf16/fp16; ``target [N]`` int64/int32. Outputs are fp32 ``[N]``, ``is_top1`` bool ``[N]``.
+Extra memory: one chunk of logits (``chunk_memory_bytes``) and the gradients themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._launch import as_rows, tigon_op
+from tigon.ops.cross_entropy import (
+    LOG2E,
+    check_targets,
+    cross_entropy_bwd,
+    softcapped,
+    store_zero_row,
+    vocab_row_geometry,
+)
+from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
+
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+@triton.jit
+def _capped(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``logit_scale · y``, softcapped: ``z`` before the temperature."""
+    capped = y * logit_scale
+    if HAS_SOFTCAP:
+        capped = softcapped(capped, softcap)
+    return capped
+
+
+@triton.jit
+def logprobs_grad_row(
+    logits_row, grad_row, n_cols, target, lse, entropy, grad_log_prob, grad_entropy,
+    logit_scale, softcap, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Write ``dL/dy`` of one row (see the module docstring); ``grad_row`` may be ``logits_row``.
+    The row is walked backwards: the blocks read last by the pass before are the likeliest to be
+    in L2."""
+    cols = tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(n_cols, BLOCK_V)
+    for block in range(0, n_blocks):
+        offs = (n_blocks - 1 - block) * BLOCK_V + cols
+        mask = offs < n_cols
+        y = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        capped = _capped(y, logit_scale, softcap, HAS_SOFTCAP)
+        log_p = capped * inv_temperature - lse
+        p = tl.exp2(log_p * LOG2E)
+        grad = grad_log_prob * (tl.where(offs == target, 1.0, 0.0) - p)
+        if HAS_ENTROPY_GRAD:
+            # p·log p → 0 as p → 0 (a logit of −inf): no 0·(−inf).
+            grad -= grad_entropy * p * tl.where(p > 0.0, log_p + entropy, 0.0)
+        grad = grad * (logit_scale * inv_temperature)
+        if HAS_SOFTCAP:
+            tanh = capped / softcap
+            grad = grad * (1.0 - tanh * tanh)
+        tl.store(grad_row + offs, grad.to(grad_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def logprobs_fwd_kernel(
+    LOGITS, TARGET, LOG_PROB, LSE, ENTROPY, LOG_SUM_SQ, MEAN_LOGIT, IS_TOP1, GRAD,
+    n_rows, n_cols,
+    stride_logits, stride_target, stride_grad,
+    ignore_index, logit_scale, softcap, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, STORE_ENTROPY: tl.constexpr, STORE_LOG_SUM_SQ: tl.constexpr,
+    STORE_MEAN_LOGIT: tl.constexpr, STORE_IS_TOP1: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Persistent grid: program p handles rows p, p + P, ...; GRAD may be LOGITS itself.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_V)
+    for row in range(pid, n_rows, n_programs):
+        logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
+        target = tl.load(TARGET + row * stride_target)
+        if target == ignore_index:
+            tl.store(LOG_PROB + row, 0.0)
+            tl.store(LSE + row, 0.0)
+            if STORE_ENTROPY:
+                tl.store(ENTROPY + row, 0.0)
+            if STORE_LOG_SUM_SQ:
+                tl.store(LOG_SUM_SQ + row, 0.0)
+            if STORE_MEAN_LOGIT:
+                tl.store(MEAN_LOGIT + row, 0.0)
+            if STORE_IS_TOP1:
+                tl.store(IS_TOP1 + row, 0)
+            if COMPUTE_GRAD:
+                store_zero_row(GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, BLOCK_V)
+        else:
+            z_target = _capped(tl.load(logits_row + target).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
+            z_target = z_target * inv_temperature
+            # Online statistics relative to a shift: the running max, or 0 while every z seen is
+            # −inf. sum_exp = Σ e, e = exp(z − shift); sum_exp_dz = Σ e·(z − shift), kept relative
+            # to the shift (not Σ e·z) so that the entropy, log Σe − sum_exp_dz / sum_exp, does
+            # not subtract two large numbers; sum_exp_sq = Σ e².
+            running_max = tl.full((), float("-inf"), tl.float32)
+            shift = tl.zeros((), tl.float32)
+            sum_exp = tl.zeros((), tl.float32)
+            sum_exp_dz = tl.zeros((), tl.float32)
+            sum_exp_sq = tl.zeros((), tl.float32)
+            sum_z = tl.zeros((), tl.float32)
+            max_before_target = tl.full((), float("-inf"), tl.float32)
+            for start in range(0, n_cols, BLOCK_V):
+                offs = start + cols
+                mask = offs < n_cols
+                y = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                z = _capped(y, logit_scale, softcap, HAS_SOFTCAP) * inv_temperature
+                z = tl.where(mask, z, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(z, axis=0))
+                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                rescale = tl.exp2((running_max - new_shift) * LOG2E)
+                e = tl.exp2((z - new_shift) * LOG2E)
+                if STORE_ENTROPY:
+                    # Each earlier term's (z − shift) becomes (z − new_shift) = (z − shift) + (shift − new_shift).
+                    sum_exp_dz = (sum_exp_dz + (shift - new_shift) * sum_exp) * rescale
+                    sum_exp_dz += tl.sum(e * tl.where(e > 0.0, z - new_shift, 0.0), axis=0)
+                if STORE_LOG_SUM_SQ:
+                    sum_exp_sq = sum_exp_sq * rescale * rescale + tl.sum(e * e, axis=0)
+                if STORE_MEAN_LOGIT:
+                    sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+                if STORE_IS_TOP1:
+                    max_before_target = tl.maximum(
+                        max_before_target, tl.max(tl.where(offs < target, z, float("-inf")), axis=0)
+                    )
+                sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+                running_max = new_max
+                shift = new_shift
+            log_sum_exp = tl.log(sum_exp)
+            lse = shift + log_sum_exp
+            tl.store(LOG_PROB + row, (z_target - shift) - log_sum_exp)
+            tl.store(LSE + row, lse)
+            if STORE_ENTROPY:
+                tl.store(ENTROPY + row, log_sum_exp - sum_exp_dz / sum_exp)
+            if STORE_LOG_SUM_SQ:
+                tl.store(LOG_SUM_SQ + row, tl.log(sum_exp_sq) - 2.0 * log_sum_exp)
+            if STORE_MEAN_LOGIT:
+                tl.store(MEAN_LOGIT + row, sum_z / n_cols)
+            if STORE_IS_TOP1:
+                is_top1 = (z_target >= running_max) & (z_target > max_before_target)
+                tl.store(IS_TOP1 + row, is_top1.to(tl.int8))
+            if COMPUTE_GRAD:
+                logprobs_grad_row(
+                    logits_row, GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, target, lse, 0.0, 1.0, 0.0, logit_scale, softcap, inv_temperature,
+                    HAS_SOFTCAP, False, BLOCK_V,
+                )
+
+
+@triton.jit
+def logprobs_bwd_kernel(
+    LOGITS, TARGET, LSE, ENTROPY, GRAD_LOG_PROB, GRAD_ENTROPY,
+    n_rows, n_cols,
+    stride_logits, stride_target,
+    ignore_index, logit_scale, softcap, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # dL/dy written over the recomputed logits, row by row (persistent grid).
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    for row in range(pid, n_rows, n_programs):
+        logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
+        target = tl.load(TARGET + row * stride_target)
+        if target == ignore_index:
+            store_zero_row(logits_row, n_cols, BLOCK_V)
+        else:
+            grad_entropy = 0.0
+            entropy = 0.0
+            if HAS_ENTROPY_GRAD:
+                grad_entropy = tl.load(GRAD_ENTROPY + row)
+                entropy = tl.load(ENTROPY + row)
+            logprobs_grad_row(
+                logits_row, logits_row, n_cols, target, tl.load(LSE + row), entropy, tl.load(GRAD_LOG_PROB + row),
+                grad_entropy, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, HAS_ENTROPY_GRAD, BLOCK_V,
+            )
+
+
+def _transform_args(temperature: float, softcap: float | None, logit_scale: float) -> dict:
+    return {
+        "logit_scale": logit_scale, "softcap": 1.0 if softcap is None else softcap,
+        "inv_temperature": 1.0 / temperature, "HAS_SOFTCAP": softcap is not None,
+    }
+
+
+def launch_logprobs_fwd(logits, target, outputs, grad, ignore_index, temperature, softcap, logit_scale):
+    """Write the per-row fields ``outputs`` (``log_prob, lse, entropy, log_sum_sq, mean_logit,
+    is_top1``: ``[C]`` tensors, ``None`` where not wanted) of ``logits [C, V]`` (unit column
+    stride) and, when ``grad`` is given, ``dlog_prob/dy`` into it (it may be ``logits``)."""
+    n_rows, n_cols = logits.shape
+    block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, logits.element_size(), logits.device)
+    log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1 = outputs
+    logprobs_fwd_kernel[(n_programs,)](
+        logits, target, log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1, grad,
+        n_rows, n_cols,
+        logits.stride(0), target.stride(0), 0 if grad is None else grad.stride(0),
+        ignore_index, **_transform_args(temperature, softcap, logit_scale),
+        STORE_ENTROPY=entropy is not None, STORE_LOG_SUM_SQ=log_sum_sq is not None,
+        STORE_MEAN_LOGIT=mean_logit is not None, STORE_IS_TOP1=is_top1 is not None, COMPUTE_GRAD=grad is not None,
+        BLOCK_V=block_v, num_warps=num_warps,
+    )
+
+
+def launch_logprobs_bwd(logits, target, lse, entropy, grad_log_prob, grad_entropy, ignore_index, temperature,
+                        softcap, logit_scale):
+    """``logits [C, V]`` ← ``dL/dy`` for the upstream ``grad_log_prob [C]`` and ``grad_entropy [C]``
+    (or ``None``), fp32."""
+    n_rows, n_cols = logits.shape
+    block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, logits.element_size(), logits.device)
+    logprobs_bwd_kernel[(n_programs,)](
+        logits, target, lse, entropy, grad_log_prob, grad_entropy,
+        n_rows, n_cols,
+        logits.stride(0), target.stride(0),
+        ignore_index, **_transform_args(temperature, softcap, logit_scale),
+        HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_V=block_v, num_warps=num_warps,
+    )
+
+
+def _grads_out(x2d, bias, grad_input, grad_weight, grad_bias):
+    """The gradients as op outputs, a distinct empty tensor where one was not computed."""
+    return (
+        x2d.new_empty(0) if grad_input is None else grad_input,
+        x2d.new_empty(0) if grad_weight is None else grad_weight,
+        x2d.new_empty(0) if grad_bias is None else grad_bias.to(bias.dtype),
+    )
+
+
+def _grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed):
+    return (
+        input.new_empty(tuple(input.shape) if grad_input_needed else (0,)),
+        weight.new_empty(tuple(weight.shape) if grad_weight_needed else (0,)),
+        input.new_empty((weight.shape[0],) if grad_bias_needed else (0,)),
+    )
+
+
+def _fwd_fake(input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, store_entropy,
+              store_log_sum_sq, store_mean_logit, store_is_top1, chunk_rows, grad_input_needed, grad_weight_needed,
+              grad_bias_needed):
+    n_rows = input.shape[0]
+
+    def field(stored, dtype=torch.float32):
+        return input.new_empty(n_rows if stored else 0, dtype=dtype)
+
+    return (
+        field(True), field(True), field(store_entropy), field(store_log_sum_sq), field(store_mean_logit),
+        field(store_is_top1, torch.bool),
+        *_grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed),
+    )
+
+
+@tigon_op("fused_linear_logprobs_fwd", fake=_fwd_fake)
+def fused_linear_logprobs_fwd(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    ignore_index: int, temperature: float, softcap: float | None, logit_scale: float,
+    store_entropy: bool, store_log_sum_sq: bool, store_mean_logit: bool, store_is_top1: bool,
+    chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:
+    """``input [N, H]`` (unit column stride), ``weight [V, H]``, ``target [N]`` → ``log_prob``,
+    ``lse``, ``entropy``, ``log_sum_sq``, ``mean_logit`` (fp32 ``[N]``), ``is_top1`` (bool ``[N]``),
+    each empty unless stored, and the gradients ``grad_input [N, H]``, ``grad_weight [V, H]``,
+    ``grad_bias [V]`` of ``Σ log_prob`` (empty unless needed)."""
+    n_rows = input.shape[0]
+    check_targets(target, weight.shape[0], ignore_index)
+    grad_input, grad_weight, grad_bias = new_grads(
+        input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed,
+    )
+    compute_grad = grad_input_needed or grad_weight_needed or grad_bias_needed
+    stored = (True, True, store_entropy, store_log_sum_sq, store_mean_logit)
+    fields = [input.new_empty(n_rows if store else 0, dtype=torch.float32) for store in stored]
+    fields.append(torch.empty(n_rows if store_is_top1 else 0, dtype=torch.bool, device=input.device))
+    wanted = [field if field.numel() == n_rows else None for field in fields]
+    # Triton has no bool pointers: is_top1 is written through an int8 view of the same bytes.
+    if wanted[5] is not None:
+        wanted[5] = wanted[5].view(torch.int8)
+
+    def logprobs_head(ranges, logits):
+        ((start, end),) = ranges
+        launch_logprobs_fwd(
+            logits, target[start:end], [None if f is None else f[start:end] for f in wanted],
+            logits if compute_grad else None, ignore_index, temperature, softcap, logit_scale,
+        )
+
+    fused_linear_chunks(
+        input, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head, grad_input, grad_weight, grad_bias,
+    )
+    return (*fields, *_grads_out(input, bias, grad_input, grad_weight, grad_bias))
+
+
+def _bwd_fake(grad_log_prob, grad_entropy, input, weight, target, bias, lse, entropy, ignore_index, temperature,
+              softcap, logit_scale, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed):
+    return _grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed)
+
+
+@tigon_op("fused_linear_logprobs_bwd", fake=_bwd_fake)
+def fused_linear_logprobs_bwd(
+    grad_log_prob: torch.Tensor, grad_entropy: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
+    target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor,
+    ignore_index: int, temperature: float, softcap: float | None, logit_scale: float, chunk_rows: int,
+    grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recomputes each chunk's logits and turns them into ``dL/dy`` for the upstream fp32
+    ``grad_log_prob [N]`` and ``grad_entropy [N]`` (empty: no entropy gradient); returns the
+    gradients as the forward op does."""
+    grad_input, grad_weight, grad_bias = new_grads(
+        input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed,
+    )
+    has_entropy_grad = grad_entropy.numel() > 0
+
+    def logprobs_grad_head(ranges, logits):
+        ((start, end),) = ranges
+        launch_logprobs_bwd(
+            logits, target[start:end], lse[start:end], entropy[start:end] if has_entropy_grad else None,
+            grad_log_prob[start:end], grad_entropy[start:end] if has_entropy_grad else None,
+            ignore_index, temperature, softcap, logit_scale,
+        )
+
+    fused_linear_chunks(
+        input, weight, bias, row_chunks(input.shape[0], chunk_rows), logprobs_grad_head,
+        grad_input, grad_weight, grad_bias,
+    )
+    return _grads_out(input, bias, grad_input, grad_weight, grad_bias)
+
+
+def uniform_grad(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The ``[1]`` fp32 value of ``grad_log_prob`` if it is the same on every non-ignored row, else
+    ``None`` (one host sync)."""
+    valid = target != ignore_index
+    lowest = torch.where(valid, grad_log_prob, float("inf")).amin().reshape(1)
+    highest = torch.where(valid, grad_log_prob, float("-inf")).amax().reshape(1)
+    low, high = torch.cat((lowest, highest)).tolist()
+    return lowest if low == high else None
+
+
+class FusedLinearLogprobsFunction(torch.autograd.Function):
+    """Saves the inputs and ``lse`` (and the entropy) for a recomputing backward, and with
+    ``grad_in_forward`` the gradients of ``Σ log_prob`` computed by the forward pass (scaled in
+    place by backward, so backward runs once per forward). A recomputing backward runs inside
+    ``backward_context()`` when one is given."""
+
+    @staticmethod
+    def forward(ctx, input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, stored,
+                chunk_memory_bytes, needs, grad_in_forward, backward_context):
+        x2d = as_rows(input)
+        target = target.reshape(-1)
+        chunk_rows = chunk_rows_for(x2d.shape[0], weight.shape[0], x2d.element_size(), chunk_memory_bytes)
+        options = (ignore_index, temperature, softcap, logit_scale)
+        log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1, *grads = fused_linear_logprobs_fwd(
+            x2d, weight, target, bias, *options, *stored, chunk_rows, *(n and grad_in_forward for n in needs),
+        )
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x2d, weight, target, bias, lse, entropy, *grads)
+        ctx.options, ctx.chunk_rows, ctx.needs = options, chunk_rows, needs
+        ctx.grad_in_forward, ctx.backward_context, ctx.input_shape = grad_in_forward, backward_context, input.shape
+        ctx.mark_non_differentiable(log_sum_sq, mean_logit, is_top1)
+        return log_prob, entropy, log_sum_sq, mean_logit, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy, *_):
+        x2d, weight, target, bias, lse, entropy, *grads = ctx.saved_tensors
+        if grad_log_prob is None and grad_entropy is None:
+            return (None,) * 13
+        ignore_index = ctx.options[0]
+        grad_log_prob = torch.zeros_like(lse) if grad_log_prob is None else grad_log_prob.float().contiguous()
+        scale = None
+        if ctx.grad_in_forward and grad_entropy is None:
+            scale = uniform_grad(grad_log_prob, target, ignore_index)
+        if scale is not None:
+            for grad, needed in zip((grads[0], grads[1], grads[2].view(1, -1)), ctx.needs):
+                if needed:
+                    cross_entropy_bwd(grad, scale)
+        else:
+            grad_entropy = lse.new_empty(0) if grad_entropy is None else grad_entropy.float().contiguous()
+            with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
+                grads = fused_linear_logprobs_bwd(
+                    grad_log_prob, grad_entropy, x2d, weight, target, bias, lse, entropy, *ctx.options,
+                    ctx.chunk_rows, *ctx.needs,
+                )
+        grad_input_needed, grad_weight_needed, grad_bias_needed = ctx.needs
+        return (
+            grads[0].view(ctx.input_shape) if grad_input_needed else None,
+            grads[1] if grad_weight_needed else None,
+            None,
+            grads[2] if grad_bias_needed else None,
+            None, None, None, None, None, None, None, None, None,
+        )
+
+
+def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, outputs,
+                          chunk_memory_bytes, grad_in_forward, backward_context):
+    """``input [..., H]``, ``weight [V, H]``, ``target [...]`` → the five fields of :data:`FIELDS`,
+    each ``target``-shaped (``None`` unless in ``outputs``); inputs validated by
+    :mod:`tigon.functional`."""
+    grad_enabled = torch.is_grad_enabled()
+    needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
+    stored = tuple(name in outputs for name in FIELDS[1:])
+    fields = FusedLinearLogprobsFunction.apply(
+        input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, stored, chunk_memory_bytes,
+        needs, grad_in_forward, backward_context,
+    )
+    return tuple(
+        field.view(target.shape) if name in outputs else None for name, field in zip(FIELDS, fields)
+    )
+

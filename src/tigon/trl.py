@@ -1,0 +1,105 @@
+"""tigon inside TRL's trainers: TRL's fused LM head computed by tigon.
+
+TRL's trainers (``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``, ``GRPOTrainer``, ``RLOOTrainer``,
+tested with TRL 1.16) compute every loss from per-token log-probabilities made by TRL's fused LM
+head: ``trl.trainer.utils.add_fused_lm_head`` gives the model a forward that runs the backbone and
+then ``trl.trainer.utils._ChunkedLogProbFunction.apply(hidden [N, H], weight [V, H], bias, targets
+[N], temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)``. :func:`patch_trl`
+puts :func:`tigon.functional.fused_linear_logprobs` behind that name. Everything around it stays
+TRL's: which rows are scored (only the labelled ones on GPUs), the label shift, FSDP2's gather of a
+DTensor head, ZeRO-3's gather of the head's weight for the forward, PEFT, temperature, softcap,
+logit scale, and the losses. A backward that recomputes gathers the weight again through TRL's
+own ``maybe_gather_lm_head_ctx``, as TRL's head does.
+
+Usage, before the trainer is built::
+
+    apply_tigon(model)      # tigon's RMSNorm, SwiGLU and RoPE in the decoder
+    patch_trl()             # tigon's kernel in TRL's fused LM head
+    trainer = SFTTrainer(model=model, ...)
+
+The kernel's cost depends on the loss (see :mod:`tigon.ops.fused_linear_logprobs`): a loss that
+is a sum or mean of the log-probs (SFT's NLL) can have its gradients computed in the forward pass
+(``6·N·H·V`` FLOPs), any other (GRPO's, DPO's) needs a recomputing backward (``8·N·H·V``). The
+head learns which one it serves: it computes gradients in the forward pass until a backward shows
+a gradient that differs between tokens, or one reaching the entropy, and from then on recomputes.
+Either way the gradients are exact; a wrong guess costs one step's extra matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tigon.functional as tf
+from tigon.ops.fused_linear_logprobs import uniform_grad
+
+try:
+    import trl.trainer.utils as _trl_utils
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError("tigon.trl needs TRL (pip install 'trl>=1.16')") from error
+
+if not hasattr(_trl_utils, "_ChunkedLogProbFunction"):
+    raise ImportError(
+        f"tigon.trl needs TRL's fused LM head (trl.trainer.utils._ChunkedLogProbFunction, TRL >= 1.16); "
+        f"the installed TRL ({getattr(__import__('trl'), '__version__', '?')}) has none"
+    )
+
+TRL_HEAD = _trl_utils._ChunkedLogProbFunction
+
+__all__ = ["TigonLogProbHead", "is_patched", "patch_trl", "unpatch_trl"]
+
+
+class TigonLogProbHead:
+    """Drop-in for ``trl.kernels.ChunkedLogProbFunction``: :meth:`apply` takes its arguments and
+    returns its 5-tuple ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``.
+
+    ``chunk_size`` (TRL's vocabulary tile) is ignored: tigon chunks the tokens by a memory budget.
+    The head runs in the autocast dtype when autocast is on, else in ``hidden``'s dtype, as TRL's.
+    """
+
+    # Whether the next call computes gradients in its forward pass (see the module docstring).
+    grad_in_forward = True
+
+    @classmethod
+    def apply(cls, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs",)):
+        device_type = hidden.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
+        fields = tf.fused_linear_logprobs(
+            hidden.to(dtype), weight.to(dtype), targets, None if bias is None else bias.to(dtype),
+            temperature=temperature, softcap=final_logit_softcapping, logit_scale=logit_scale, outputs=outputs,
+            grad_in_forward=cls.grad_in_forward,
+            backward_context=lambda: _trl_utils.maybe_gather_lm_head_ctx(weight, bias),
+        )
+        log_probs, entropy = fields[:2]
+        if log_probs is not None and log_probs.requires_grad and cls.grad_in_forward:
+            log_probs.register_hook(lambda grad: cls._observe_log_probs_grad(grad, targets))
+        if entropy is not None and entropy.requires_grad and cls.grad_in_forward:
+            entropy.register_hook(cls._observe_entropy_grad)
+        return fields
+
+    @classmethod
+    def _observe_log_probs_grad(cls, grad, targets):
+        if uniform_grad(grad.reshape(-1).float(), targets.reshape(-1), -100) is None:
+            cls.grad_in_forward = False
+
+    @classmethod
+    def _observe_entropy_grad(cls, grad):
+        cls.grad_in_forward = False
+
+
+def patch_trl() -> None:
+    """From now on, every TRL fused LM head (``fused_lm_head=True`` forwards) runs tigon's kernel.
+
+    Call it before or after building the trainer; :func:`unpatch_trl` restores TRL's head."""
+    TigonLogProbHead.grad_in_forward = True
+    _trl_utils._ChunkedLogProbFunction = TigonLogProbHead
+
+
+def unpatch_trl() -> None:
+    """Restore TRL's own fused LM head."""
+    _trl_utils._ChunkedLogProbFunction = TRL_HEAD
+
+
+def is_patched() -> bool:
+    return _trl_utils._ChunkedLogProbFunction is TigonLogProbHead
