@@ -58,6 +58,10 @@ def _tigon() -> OpTable:
     table["cross_entropy"] = lambda a: tf.cross_entropy(a["logits"], a["target"], inplace_backward=True)
     table["swiglu"] = lambda a: tf.swiglu(a["gate"], a["up"], inplace_backward=True)
     table["geglu"] = lambda a: tf.geglu(a["gate"], a["up"], inplace_backward=True)
+    # As tigon.trl runs SFT: its mean NLL's gradient, the same for every token, computed in forward.
+    table["fused_linear_logprobs_sft"] = lambda a: tf.fused_linear_logprobs(
+        a["input"], a["weight"], a["target"], outputs=("log_probs", "entropy", "is_top1"), grad_in_forward=True,
+    )[0]
     table.update(_tigon_losses())
     return table
 
@@ -139,6 +143,22 @@ def _liger_losses() -> OpTable:
     }
 
 
+def _trl() -> OpTable:
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    def head(outputs):
+        # As add_fused_lm_head's forward calls it (the rows are already the labelled ones).
+        return lambda a: ChunkedLogProbFunction.apply(
+            a["input"], a["weight"], None, a["target"], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs,
+        )[0]
+
+    return {
+        "fused_linear_logprobs": head(("log_probs",)),
+        "fused_linear_logprobs_sft": head(("log_probs", "entropy", "is_top1")),
+    }
+
+
 def _cut_cross_entropy() -> OpTable:
     from cut_cross_entropy import linear_cross_entropy
 
@@ -159,13 +179,17 @@ def _quack() -> OpTable:
 PROVIDERS: dict[str, Provider] = {
     provider.name: provider
     for provider in (
-        Provider("tigon", _tigon, grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", *LOSSES})),
+        Provider(
+            "tigon", _tigon,
+            grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs_sft", *LOSSES}),
+        ),
         Provider("torch", _torch),
         Provider("torch.compile", _torch_compile, in_smoke_run=False),
         Provider(
             "liger", _liger, distribution="liger-kernel", needs_gpu=True,
             grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", *LOSSES}),
         ),
+        Provider("trl", _trl, distribution="trl"),
         Provider("cce", _cut_cross_entropy, distribution="cut-cross-entropy", needs_gpu=True),
         Provider("quack", _quack, distribution="quack-kernels", needs_gpu=True),
     )

@@ -138,6 +138,28 @@ def _fused_linear_case(dims, dtype, device):
     return Case(args, (None,))
 
 
+def _logprobs_case(uniform: bool):
+    """The rows TRL's fused LM head is handed: labelled positions only (its forward drops the
+    others first). The log-probs' gradient is the same for every token for a mean NLL (SFT), one
+    per token otherwise (GRPO's ratio times advantage)."""
+
+    def build(dims, dtype, device):
+        case = _fused_linear_case(dims, dtype, device)
+        rows = dims["rows"]
+        grad = torch.full((rows,), -1.0 / rows, device=device) if uniform else torch.randn(rows, device=device)
+        return Case(case.args, (grad,))
+
+    return build
+
+
+def _logprobs_flops(dims, element_size):
+    # Forward: the logits. Backward: recomputed logits, then dX and dW: the loss's per-token
+    # gradient only exists after the forward's outputs were read, so without keeping the [N, V]
+    # logits the logits are computed twice.
+    nhv = dims["rows"] * dims["H"] * dims["V"]
+    return 2 * nhv, 6 * nhv
+
+
 def _preference_case(paired: bool, with_reference: bool):
     """A preference batch as the trainers hand it over: ``S`` sequences of ``T`` tokens (``B``
     pairs, or ``B`` unpaired sequences), prompts masked, the policy head trainable and the
@@ -309,6 +331,28 @@ OPS: dict[str, OpSpec] = {
             smoke=Sweep("V", (500, 1000), 1000, {"rows": 32, "H": 64}),
             build=_fused_linear_case,
             call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"]),
+            work=_fused_linear_flops,
+            unit=FLOPS,
+        ),
+        # TRL's fused LM head: per-token log-probs under any per-token gradient (GRPO, DPO) ...
+        OpSpec(
+            "fused_linear_logprobs", "x [{rows}, {H}], W [{V}, {H}], per-token gradient",
+            sweep=Sweep("V", (32000, 128256, 151936), 128256, {"rows": 8192, "H": 4096}),
+            smoke=Sweep("V", (500, 1000), 1000, {"rows": 32, "H": 64}),
+            build=_logprobs_case(uniform=False),
+            call=lambda f, a: f.fused_linear_logprobs(a["input"], a["weight"], a["target"])[0],
+            work=_logprobs_flops,
+            unit=FLOPS,
+        ),
+        # ... and as SFTTrainer runs it: entropy and top-1 for its metrics, a mean NLL's gradient.
+        OpSpec(
+            "fused_linear_logprobs_sft", "x [{rows}, {H}], W [{V}, {H}], + entropy, top-1",
+            sweep=Sweep("V", (32000, 128256, 151936), 128256, {"rows": 8192, "H": 4096}),
+            smoke=Sweep("V", (500, 1000), 1000, {"rows": 32, "H": 64}),
+            build=_logprobs_case(uniform=True),
+            call=lambda f, a: f.fused_linear_logprobs(
+                a["input"], a["weight"], a["target"], outputs=("log_probs", "entropy", "is_top1"),
+            )[0],
             work=_fused_linear_flops,
             unit=FLOPS,
         ),
