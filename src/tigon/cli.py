@@ -1,4 +1,4 @@
-"""The ``tigon`` command: ``tigon check | bench | demo``; each takes ``--help``."""
+"""The ``tigon`` command: ``tigon check | bench | demo | export-kernels``; each takes ``--help``."""
 
 from __future__ import annotations
 
@@ -25,10 +25,25 @@ def _demo(argv: list[str]) -> int:
     return main(argv)
 
 
+def _export_kernels(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tigon export-kernels",
+        description="Write tigon as a kernel repository for transformers' kernel hub (the `kernels` library).",
+    )
+    parser.add_argument("directory", help="where to write it (created if missing)")
+    directory = parser.parse_args(argv).directory
+    from tigon.transformers.kernel_hub import export_kernels
+
+    path = export_kernels(directory)
+    print(f"wrote {path}; use it with tigon.transformers.kernel_config({str(path)!r})")
+    return 0
+
+
 COMMANDS = {
     "check": (_check, "every op against its reference (environment, max errors, time)"),
     "bench": (_bench, "benchmarks against PyTorch, torch.compile and the peers"),
     "demo": (_demo, "train a small Llama plain and patched by tigon; compare losses, speed, memory"),
+    "export-kernels": (_export_kernels, "write tigon as a kernel repository for transformers' kernel hub"),
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM
 
 from tigon.transformers.families import FAMILIES, Family
+from tigon.transformers.kernel_hub import export_kernels, kernel_config
 from tigon.transformers.patching import base_model, family_patcher
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "apply_tigon_to_qwen2",
     "apply_tigon_to_qwen3",
     "apply_tigon_to_qwen3_moe",
+    "export_kernels",
+    "kernel_config",
 ]
 
 apply_tigon_to_llama = family_patcher("llama")
