@@ -224,3 +224,17 @@ def test_torch_compile_fullgraph():
     (truth * grad.double() - truth_entropy).sum().backward()
     for name, tensor, truth_tensor in (("input", x, x64), ("weight", weight, w64), ("bias", b, b64)):
         assert_close(tensor.grad, truth_tensor.grad, torch.float32, f"grad of {name}")
+
+
+@pytest.mark.parametrize("chunk_rows, recomputed", [(10, 3), (64, 0)])
+def test_backward_recomputes_all_chunks_but_the_last(monkeypatch, chunk_rows, recomputed):
+    # The forward's buffer still holds the last chunk's logits: backward starts from them.
+    import tigon.ops.fused_linear as fused_linear
+
+    x, weight, target, b, _ = _problem(CASES[0], torch.float32)
+    log_probs, *_ = tf.fused_linear_logprobs(x, weight, target, b, chunk_memory_bytes=chunk_rows * 500 * 4)
+    calls = []
+    real = fused_linear.linear_logits
+    monkeypatch.setattr(fused_linear, "linear_logits", lambda *args: calls.append(1) or real(*args))
+    (log_probs * torch.randn_like(log_probs)).sum().backward()
+    assert len(calls) == recomputed

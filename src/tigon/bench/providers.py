@@ -30,8 +30,9 @@ class Provider:
     load: Callable[[], OpTable]  # imports the implementation; raises ImportError/RuntimeError saying why not
     distribution: str | None = None  # the pip package, for the install hint and the recorded version
     needs_gpu: bool = False
-    # Ops whose gradients are written during forward, so backward cannot be re-run on a retained
-    # graph: their backward time is reported as full − forward.
+    # Ops whose gradients are written during forward, or whose backward consumes what forward
+    # kept, so backward cannot be re-run on a retained graph: their backward time is reported as
+    # full − forward.
     grads_in_forward: frozenset[str] = frozenset()
     in_smoke_run: bool = True  # included by default when there is no GPU to time on
 
@@ -181,7 +182,9 @@ PROVIDERS: dict[str, Provider] = {
     for provider in (
         Provider(
             "tigon", _tigon,
-            grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs_sft", *LOSSES}),
+            grads_in_forward=frozenset({
+                "cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs", "fused_linear_logprobs_sft", *LOSSES,
+            }),
         ),
         Provider("torch", _torch),
         Provider("torch.compile", _torch_compile, in_smoke_run=False),

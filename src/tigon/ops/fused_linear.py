@@ -95,7 +95,8 @@ def new_grads(x2d, weight, grad_input_needed, grad_weight_needed, grad_bias_need
 def fused_linear_chunks(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: Sequence[RowRanges],
     head: ChunkHead, grad_input: torch.Tensor | None = None, grad_weight: torch.Tensor | None = None,
-    grad_bias: torch.Tensor | None = None, matmul_scale: float = 1.0,
+    grad_bias: torch.Tensor | None = None, matmul_scale: float = 1.0, logits_buffer: torch.Tensor | None = None,
+    first_chunk_computed: bool = False,
 ) -> None:
     """Run ``head`` over the logits of every chunk and accumulate the gradients that are given.
 
@@ -106,13 +107,20 @@ def fused_linear_chunks(
         grad_input ``[N, H]``, grad_weight ``[V, H]``, grad_bias ``[V]`` fp32: outputs, or ``None``.
             ``grad_input`` rows outside every chunk are left untouched; ``grad_weight`` is
             overwritten by the first chunk.
+        logits_buffer: ``[≥ C, V]`` in ``x2d``'s dtype for each chunk's logits (allocated when
+            ``None``). After the loop it holds the last chunk's logits, or what the head wrote.
+        first_chunk_computed: the buffer already holds the first chunk's logits, kept from an
+            earlier loop over the same rows: that chunk's matmul is skipped.
     """
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
-    largest = max((sum(end - start for start, end in ranges) for ranges in chunks), default=0)
-    logits_buffer = x2d.new_empty((largest, weight.shape[0]))
+    if logits_buffer is None:
+        largest = max((sum(end - start for start, end in ranges) for ranges in chunks), default=0)
+        logits_buffer = x2d.new_empty((largest, weight.shape[0]))
     for index, ranges in enumerate(chunks):
         x_chunk = gather_rows(x2d, ranges)
-        logits = linear_logits(x_chunk, weight, bias, logits_buffer[: x_chunk.shape[0]])
+        logits = logits_buffer[: x_chunk.shape[0]]
+        if not (index == 0 and first_chunk_computed):
+            linear_logits(x_chunk, weight, bias, logits)
         row_scale = head(ranges, logits)
         if not compute_grad:
             continue

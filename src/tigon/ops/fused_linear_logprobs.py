@@ -25,7 +25,9 @@ rule multiplies by dz/dy = logit_scale · (1 − tanh²) / temperature.
 ``g`` and ``h`` exist only after the caller's loss has read the forward's outputs, so backward
 recomputes each chunk's logits (the chunk loop of :mod:`tigon.ops.fused_linear`): ``8·N·H·V``
 matmul FLOPs in all, where the fused linear cross entropy, whose gradient is known in forward,
-needs ``6·N·H·V``. ``grad_in_forward=True`` is for callers whose loss is a sum or mean of the
+needs ``6·N·H·V``. The forward's logits buffer is kept for backward, which starts with the last
+chunk, whose logits it still holds: ``C`` fewer rows to recompute, at no extra peak memory (the
+buffer is the one backward would allocate), and no recomputation at all when ``N ≤ C``. ``grad_in_forward=True`` is for callers whose loss is a sum or mean of the
 log-probs, as SFT's: the forward then computes the gradients for ``g = 1`` in its chunk loop
 (``6·N·H·V``, what the fused linear cross entropy costs) and backward multiplies them by ``g``,
 provided that ``g`` is the same on every non-ignored row and ``entropy`` has no gradient. If not,
@@ -272,16 +274,18 @@ def _grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_
 
 def _fwd_fake(input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, store_entropy,
               store_log_sum_sq, store_mean_logit, store_is_top1, chunk_rows, grad_input_needed, grad_weight_needed,
-              grad_bias_needed):
+              grad_bias_needed, keep_logits):
     n_rows = input.shape[0]
 
     def field(stored, dtype=torch.float32):
         return input.new_empty(n_rows if stored else 0, dtype=dtype)
 
+    kept_rows = min(chunk_rows, n_rows) if keep_logits else 0
     return (
         field(True), field(True), field(store_entropy), field(store_log_sum_sq), field(store_mean_logit),
         field(store_is_top1, torch.bool),
         *_grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed),
+        input.new_empty((kept_rows, weight.shape[0]) if keep_logits else (0,)),
     )
 
 
@@ -290,13 +294,14 @@ def fused_linear_logprobs_fwd(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     ignore_index: int, temperature: float, softcap: float | None, logit_scale: float,
     store_entropy: bool, store_log_sum_sq: bool, store_mean_logit: bool, store_is_top1: bool,
-    chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+    chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool, keep_logits: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor]:
+           torch.Tensor, torch.Tensor, torch.Tensor]:
     """``input [N, H]`` (unit column stride), ``weight [V, H]``, ``target [N]`` → ``log_prob``,
     ``lse``, ``entropy``, ``log_sum_sq``, ``mean_logit`` (fp32 ``[N]``), ``is_top1`` (bool ``[N]``),
-    each empty unless stored, and the gradients ``grad_input [N, H]``, ``grad_weight [V, H]``,
-    ``grad_bias [V]`` of ``Σ log_prob`` (empty unless needed)."""
+    each empty unless stored, the gradients ``grad_input [N, H]``, ``grad_weight [V, H]``,
+    ``grad_bias [V]`` of ``Σ log_prob`` (empty unless needed) and, with ``keep_logits``, the logits
+    buffer ``[min(C, N), V]``, which holds the last chunk's logits in its first rows."""
     n_rows = input.shape[0]
     check_targets(target, weight.shape[0], ignore_index)
     grad_input, grad_weight, grad_bias = new_grads(
@@ -318,27 +323,32 @@ def fused_linear_logprobs_fwd(
             logits if compute_grad else None, ignore_index, temperature, softcap, logit_scale,
         )
 
+    logits_buffer = input.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
     fused_linear_chunks(
         input, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head, grad_input, grad_weight, grad_bias,
+        logits_buffer=logits_buffer,
     )
-    return (*fields, *_grads_out(input, bias, grad_input, grad_weight, grad_bias))
+    kept = logits_buffer if keep_logits else input.new_empty(0)
+    return (*fields, *_grads_out(input, bias, grad_input, grad_weight, grad_bias), kept)
 
 
-def _bwd_fake(grad_log_prob, grad_entropy, input, weight, target, bias, lse, entropy, ignore_index, temperature,
-              softcap, logit_scale, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed):
+def _bwd_fake(grad_log_prob, grad_entropy, input, weight, target, bias, lse, entropy, logits_buffer, ignore_index,
+              temperature, softcap, logit_scale, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed):
     return _grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed)
 
 
-@tigon_op("fused_linear_logprobs_bwd", fake=_bwd_fake)
+@tigon_op("fused_linear_logprobs_bwd", mutates_args=("logits_buffer",), fake=_bwd_fake)
 def fused_linear_logprobs_bwd(
     grad_log_prob: torch.Tensor, grad_entropy: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
     target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor,
-    ignore_index: int, temperature: float, softcap: float | None, logit_scale: float, chunk_rows: int,
-    grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+    logits_buffer: torch.Tensor, ignore_index: int, temperature: float, softcap: float | None, logit_scale: float,
+    chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recomputes each chunk's logits and turns them into ``dL/dy`` for the upstream fp32
-    ``grad_log_prob [N]`` and ``grad_entropy [N]`` (empty: no entropy gradient); returns the
-    gradients as the forward op does."""
+    """Turns each chunk's logits into ``dL/dy`` for the upstream fp32 ``grad_log_prob [N]`` and
+    ``grad_entropy [N]`` (empty: no entropy gradient), in the forward's ``logits_buffer``: the last
+    chunk's logits, still there, first, then the others recomputed. An empty ``logits_buffer``
+    (the forward's held gradients) means every chunk is recomputed. Returns the gradients as the
+    forward op does."""
     grad_input, grad_weight, grad_bias = new_grads(
         input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed,
     )
@@ -352,9 +362,11 @@ def fused_linear_logprobs_bwd(
             ignore_index, temperature, softcap, logit_scale,
         )
 
+    chunks = row_chunks(input.shape[0], chunk_rows)
+    kept = logits_buffer.numel() > 0
     fused_linear_chunks(
-        input, weight, bias, row_chunks(input.shape[0], chunk_rows), logprobs_grad_head,
-        grad_input, grad_weight, grad_bias,
+        input, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, grad_input, grad_weight, grad_bias,
+        logits_buffer=logits_buffer if kept else None, first_chunk_computed=kept,
     )
     return _grads_out(input, bias, grad_input, grad_weight, grad_bias)
 
@@ -382,11 +394,16 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         target = target.reshape(-1)
         chunk_rows = chunk_rows_for(x2d.shape[0], weight.shape[0], x2d.element_size(), chunk_memory_bytes)
         options = (ignore_index, temperature, softcap, logit_scale)
-        log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1, *grads = fused_linear_logprobs_fwd(
+        # Without gradients in forward, the logits buffer is kept for a backward that starts with
+        # the last chunk's logits; with them it holds a gradient, and a backward that must recompute
+        # after all allocates a new one.
+        keep_logits = any(needs) and not grad_in_forward
+        log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1, *grads, logits_buffer = fused_linear_logprobs_fwd(
             x2d, weight, target, bias, *options, *stored, chunk_rows, *(n and grad_in_forward for n in needs),
+            keep_logits,
         )
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x2d, weight, target, bias, lse, entropy, *grads)
+        ctx.save_for_backward(x2d, weight, target, bias, lse, entropy, logits_buffer, *grads)
         ctx.options, ctx.chunk_rows, ctx.needs = options, chunk_rows, needs
         ctx.grad_in_forward, ctx.backward_context, ctx.input_shape = grad_in_forward, backward_context, input.shape
         ctx.mark_non_differentiable(log_sum_sq, mean_logit, is_top1)
@@ -394,7 +411,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy, *_):
-        x2d, weight, target, bias, lse, entropy, *grads = ctx.saved_tensors
+        x2d, weight, target, bias, lse, entropy, logits_buffer, *grads = ctx.saved_tensors
         if grad_log_prob is None and grad_entropy is None:
             return (None,) * 13
         ignore_index = ctx.options[0]
@@ -410,8 +427,8 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
             grad_entropy = lse.new_empty(0) if grad_entropy is None else grad_entropy.float().contiguous()
             with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
                 grads = fused_linear_logprobs_bwd(
-                    grad_log_prob, grad_entropy, x2d, weight, target, bias, lse, entropy, *ctx.options,
-                    ctx.chunk_rows, *ctx.needs,
+                    grad_log_prob, grad_entropy, x2d, weight, target, bias, lse, entropy, logits_buffer,
+                    *ctx.options, ctx.chunk_rows, *ctx.needs,
                 )
         grad_input_needed, grad_weight_needed, grad_bias_needed = ctx.needs
         return (
