@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8 if on_gpu else 2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16" if on_gpu else "fp32")
-    parser.add_argument("--out", type=Path, default=Path("tigon-out"))
+    parser.add_argument("--out", type=Path, default=Path("tigon-out"), help="folder for demo.png (default: tigon-out)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

@@ -35,7 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--providers", nargs="+", choices=list(PROVIDERS), metavar="PROVIDER",
         help=f"default: every one that can run here: {', '.join(PROVIDERS)}",
     )
-    parser.add_argument("--out", type=Path, help="results folder (default: benchmarks/results/<gpu> of the checkout)")
+    parser.add_argument(
+        "--out", type=Path,
+        help="results folder (default: benchmarks/results/<gpu> of a checkout, tigon-out/bench-<gpu> of the working "
+        "directory outside one; tigon-out/bench-smoke for smoke runs)",
+    )
     parser.add_argument("--quick", action="store_true", help="only the headline shape of each op")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each, no timings (the default without a GPU)")
     args = parser.parse_args(argv)
@@ -51,10 +55,12 @@ def _slug(name: str) -> str:
 
 
 def _default_out(smoke: bool, gpu: str | None) -> Path:
-    # The checkout holding src/tigon when run from one (results are committed there), else here.
+    # Run from a checkout (src/tigon), GPU results go where they are committed; run from an
+    # installed wheel, everything goes under tigon-out/ of the working directory, as the demo's PNG.
     checkout = Path(tigon.__file__).resolve().parents[2]
-    root = checkout if (checkout / "pyproject.toml").is_file() else Path.cwd()
-    return root / "tigon-out" / "bench-smoke" if smoke else root / "benchmarks" / "results" / _slug(gpu)
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / "tigon-out" / "bench-smoke" if smoke else checkout / "benchmarks" / "results" / _slug(gpu)
+    return Path.cwd() / "tigon-out" / ("bench-smoke" if smoke else f"bench-{_slug(gpu)}")
 
 
 def _progress(total: int):
