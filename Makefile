@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # pinned to the versions of the GPU machine so both test the same thing.
 PINS := torch==2.13.0 triton==3.6.0
 
-.PHONY: check test bench demo clean
+.PHONY: check test bench demo wheel-check clean
 
 $(BIN)/tigon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(BIN)/tigon
 
 bench: $(BIN)/tigon
 	$(BIN)/tigon bench
+
+# The wheel as a user installs it, outside the checkout: build, install, check, bench, demo.
+wheel-check:
+	PYTHON=$(PYTHON) PINS="$(PINS)" .ci/wheel-check
 
 clean:
 	rm -rf $(VENV)
