@@ -27,9 +27,22 @@ import torch
 
 SETUPS = ("hf", "liger", "tigon")
 LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
+# Llama-3-8B's layer shapes (the number of layers is build_model's argument).
+LLAMA_3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+)
 
 
-def build_model(setup: str, layers: int):
+def gpu_slug() -> str:
+    """The GPU's name as a folder name (benchmarks/results/<slug>/, where tigon bench writes too)."""
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def build_model(setup: str, layers: int, device: str = "cuda", **shape):
+    """A bf16 ``LlamaForCausalLM`` of ``layers`` layers with Llama-3-8B's shapes (``shape`` overrides
+    them, for smoke runs), seeded weights, SDPA, non-reentrant gradient checkpointing, in training
+    mode; ``setup`` "liger" or "tigon" patches the modeling module first."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if setup == "liger":
@@ -41,12 +54,10 @@ def build_model(setup: str, layers: int):
 
         apply_tigon_to_llama()
     config = LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa",
+        **{**LLAMA_3_8B, **shape}, num_hidden_layers=layers, tie_word_embeddings=False, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -191,8 +202,7 @@ def main() -> int:
         print("RESULT " + json.dumps(result))
         return 0
 
-    gpu = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-    out = args.out or Path(__file__).parent / "results" / gpu  # the folder tigon bench writes to
+    out = args.out or Path(__file__).parent / "results" / gpu_slug()
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for setup in args.setups:
