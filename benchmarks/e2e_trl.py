@@ -322,14 +322,10 @@ def environment(device: str) -> dict:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    try:  # the GPU machine gets the working tree without .git
-        git = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        commit = git.stdout.strip() or None
-    except OSError:
-        commit = None
+    # No commit is recorded: the GPU machine's copy of the working tree carries a stale .git.
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "python": sys.version.split()[0],
-        "cuda": torch.version.cuda, **versions, "tigon_commit": commit,
+        "cuda": torch.version.cuda, **versions,
     }
 
 
