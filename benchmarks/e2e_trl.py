@@ -388,6 +388,9 @@ def print_tables(record: dict) -> None:
         print("\ntargets: " + ", ".join(verdicts))
 
 
+SETUP_COLORS = {"trl": "tab:gray", "liger": "tab:orange", "tigon_head": "lightsteelblue", "tigon": "tab:blue"}
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
 
@@ -402,7 +405,9 @@ def plot(record: dict, path: Path) -> None:
     for ax, (part, key, title) in zip(axes, panels):
         rows = [r for r in record[part] if "error" not in r and r.get(key) is not None]
         values = [r[key] for r in rows]
-        bars = ax.bar(range(len(rows)), values, color=["tab:gray", "tab:blue", "tab:orange", "tab:green"][: len(rows)])
+        # One colour per kind of setup in every panel: TRL alone grey, Liger orange, tigon blues.
+        colors = [SETUP_COLORS.get(r["setup"], "tab:green") for r in rows]
+        bars = ax.bar(range(len(rows)), values, color=colors)
         ax.bar_label(bars, [f"{v:,.0f}" if v > 100 else f"{v:.2f}" for v in values], fontsize=8)
         ax.set_xticks(range(len(rows)), [r["label"].replace(" and ", "\n+ ").replace(", ", ",\n") for r in rows],
                       fontsize=8)
