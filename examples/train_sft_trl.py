@@ -1,19 +1,18 @@
-"""Fine-tune a Llama with TRL's SFTTrainer, its layers replaced by tigon's kernels.
+"""Fine-tune a Llama with TRL's SFTTrainer, its layers and its loss computed by tigon's kernels.
 
-As with the Hugging Face Trainer, one line does it: ``apply_tigon_to_llama()`` before the model is
-built; then ``SFTTrainer`` runs as usual. The model is tiny and built from a config, the text is
-the corpus that ships with tigon (one paragraph per example, packed into sequences), and the
-tokenizer is a byte-level BPE learned from that corpus in memory, so nothing is downloaded: on CPU
-through Triton's interpreter it runs in a minute or two, on a GPU in seconds. For a real
-checkpoint, load it with ``AutoTigonForCausalLM.from_pretrained(path_or_id)`` and its tokenizer
-with ``AutoTokenizer``.
-
-SFTTrainer computes the loss itself, from the decoder's hidden states and ``lm_head``'s weight
-(TRL's own fused head, which builds no logits either), so here tigon supplies the decoder's
-RMSNorm, SwiGLU MLP and RoPE, and TRL the loss.
+The recipe: ``apply_tigon(model)`` (tigon's RMSNorm, SwiGLU MLP and RoPE), then ``patch_trl()``,
+then build and run ``SFTTrainer`` as usual. SFTTrainer computes its loss, entropy and token
+accuracy from per-token log-probs that TRL's fused LM head computes from the decoder's hidden
+states and ``lm_head``'s weight, without building the logits; after ``patch_trl()`` that head is
+tigon's ``fused_linear_logprobs``. The model is tiny and built from a config, the text is the
+corpus that ships with tigon (one paragraph per example, packed into sequences), and the tokenizer
+is a byte-level BPE learned from that corpus in memory, so nothing is downloaded: on CPU through
+Triton's interpreter it runs in a minute or two, on a GPU in seconds. For a real checkpoint, load
+it with ``AutoTigonForCausalLM.from_pretrained(path_or_id)`` (in place of ``apply_tigon``) and its
+tokenizer with ``AutoTokenizer``.
 
     python examples/train_sft_trl.py                           # tiny, CPU or GPU
-    python examples/train_sft_trl.py --no-tigon                # the same run, Hugging Face's layers
+    python examples/train_sft_trl.py --no-tigon                # the same run, plain TRL and Hugging Face
     python examples/train_sft_trl.py --hidden-size 1024 --layers 8 --seq-len 1024 --steps 200
 """
 
@@ -25,7 +24,8 @@ from importlib import resources
 
 # tigon first: without a GPU it switches on Triton's interpreter, which must happen before anything
 # (here TRL's imports) loads Triton.
-from tigon.transformers import apply_tigon_to_llama  # isort: skip
+from tigon.transformers import apply_tigon  # isort: skip
+from tigon.trl import patch_trl  # isort: skip
 
 import torch
 from datasets import Dataset
@@ -68,10 +68,6 @@ def main():
     parser.add_argument("--output-dir", default=None, help="checkpoints and logs (default: a temporary folder)")
     args = parser.parse_args()
 
-    if not args.no_tigon:
-        # Before the model is built: its RMSNorm, SwiGLU MLP and RoPE come from tigon.
-        apply_tigon_to_llama()
-
     paragraphs = corpus_paragraphs()
     tokenizer = byte_level_tokenizer(paragraphs, args.vocab_size)
     # The last two paragraphs are held out for evaluation.
@@ -87,6 +83,9 @@ def main():
     # The same weights with and without --no-tigon.
     set_seed(args.seed)
     model = LlamaForCausalLM(config)
+    if not args.no_tigon:
+        apply_tigon(model)  # RMSNorm, SwiGLU MLP and RoPE
+        patch_trl()  # the LM head of every TRL trainer built from now on
     n_parameters = sum(p.numel() for p in model.parameters())
     print(f"{n_parameters / 1e6:.2f}M parameters, a vocabulary of {len(tokenizer)}; "
           f"norm layer: {type(model.model.norm).__name__}")
