@@ -147,6 +147,32 @@ def test_no_grad_computes_fields_only():
     assert_close(log_probs, truth, torch.bfloat16, "log_probs")
 
 
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_one_chunk_computes_no_gradient_in_forward(grad_in_forward):
+    # The kept logits of a single chunk serve any upstream gradient: grad_in_forward is ignored,
+    # so backward always runs (with backward_context), whatever the upstream gradient.
+    x, weight, target, b, _ = _problem(CASES[0], torch.float32)
+    entered = []
+
+    class Recorder:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    log_probs, *_ = tf.fused_linear_logprobs(
+        x, weight, target, b, chunk_memory_bytes=10**9, grad_in_forward=grad_in_forward, backward_context=Recorder,
+    )
+    x64, w64, b64 = leaf_copies(x, weight, b)
+    truth = reference.fused_linear_logprobs(x64, w64, target, b64)[0]
+    (log_probs * -0.5).sum().backward()
+    (truth * -0.5).sum().backward()
+    assert len(entered) == 1
+    for name, tensor, truth_tensor in (("input", x, x64), ("weight", weight, w64), ("bias", b, b64)):
+        assert_close(tensor.grad, truth_tensor.grad, torch.float32, f"grad of {name}")
+
+
 def test_backward_context_is_entered_by_a_recomputing_backward():
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     entered = []

@@ -10,7 +10,9 @@ import trl.trainer.utils as trl_utils
 from peft import LoraConfig, get_peft_model
 from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import tigon.ops.fused_linear as fused_linear
 from tigon.trl import TigonLogProbHead, is_patched, patch_trl, unpatch_trl
+from utils import DEVICE
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 SMALL = dict(
@@ -22,10 +24,12 @@ SMALL = dict(
 def _model(kind):
     torch.manual_seed(0)
     if kind == "gemma2_softcap":
-        return Gemma2ForCausalLM(Gemma2Config(**SMALL, final_logit_softcapping=5.0, attn_implementation="eager"))
-    if kind == "granite_logit_scale":
-        return GraniteForCausalLM(GraniteConfig(**SMALL, logits_scaling=0.25))
-    return LlamaForCausalLM(LlamaConfig(**SMALL))
+        model = Gemma2ForCausalLM(Gemma2Config(**SMALL, final_logit_softcapping=5.0, attn_implementation="eager"))
+    elif kind == "granite_logit_scale":
+        model = GraniteForCausalLM(GraniteConfig(**SMALL, logits_scaling=0.25))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    return model.to(DEVICE)
 
 
 def _batch():
@@ -33,7 +37,7 @@ def _batch():
     input_ids = torch.randint(0, SMALL["vocab_size"], (2, 13), generator=generator)
     labels = input_ids.clone()
     labels[0, :4] = -100
-    return input_ids, labels
+    return input_ids.to(DEVICE), labels.to(DEVICE)
 
 
 def _run(model, patched, loss_kind, temperature=1.0, peft=False):
@@ -49,7 +53,7 @@ def _run(model, patched, loss_kind, temperature=1.0, peft=False):
     if loss_kind == "mean":  # SFT's NLL
         loss = out.loss
     else:  # a GRPO-like loss: one weight per token, and an entropy bonus
-        weights = torch.linspace(-1.0, 2.0, out.log_probs.numel()).view_as(out.log_probs)
+        weights = torch.linspace(-1.0, 2.0, out.log_probs.numel(), device=DEVICE).view_as(out.log_probs)
         loss = -(out.log_probs * weights).sum() / 10 - 0.01 * out.entropy.sum()
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
@@ -94,6 +98,8 @@ def test_the_head_learns_to_recompute_and_gathers_the_weight_then(monkeypatch):
             return False
 
     monkeypatch.setattr(trl_utils, "maybe_gather_lm_head_ctx", lambda *params: Recorder())
+    # Chunks of 8 rows: with a single chunk there is nothing to recompute, whatever the loss.
+    monkeypatch.setattr(fused_linear, "DEFAULT_CHUNK_MEMORY_BYTES", 8 * SMALL["vocab_size"] * 4)
     model = _model("llama")
     trl_utils.add_fused_lm_head(model, outputs=FIELDS)
     patch_trl()

@@ -68,7 +68,7 @@ def common_arguments(output_dir) -> dict:
         output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, logging_steps=1,
         optim="sgd", learning_rate=0.5,
         # TRL's configs default to bf16 (autocast, also on CPU).
-        bf16=False, use_cpu=True, seed=0, save_strategy="no", report_to=[], dataloader_num_workers=0,
+        bf16=False, use_cpu=not torch.cuda.is_available(), seed=0, save_strategy="no", report_to=[], dataloader_num_workers=0,
         disable_tqdm=True,
     )
 

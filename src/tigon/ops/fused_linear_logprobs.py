@@ -31,7 +31,8 @@ buffer is the one backward would allocate), and no recomputation at all when ``N
 log-probs, as SFT's: the forward then computes the gradients for ``g = 1`` in its chunk loop
 (``6·N·H·V``, what the fused linear cross entropy costs) and backward multiplies them by ``g``,
 provided that ``g`` is the same on every non-ignored row and ``entropy`` has no gradient. If not,
-backward recomputes as above: the result is exact either way, the guess only costs time.
+backward recomputes as above: the result is exact either way, the guess only costs time. With a
+single chunk the option is ignored: the kept logits already make backward recompute nothing.
 
 Shapes: ``input [N, H]`` (any row stride), ``weight [V, H]``, ``bias [V]`` or ``None``, one of
 fp32/bf16/fp16; ``target [N]`` int64/int32. Outputs are fp32 ``[N]``, ``is_top1`` bool ``[N]``.
@@ -394,6 +395,9 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         target = target.reshape(-1)
         chunk_rows = chunk_rows_for(x2d.shape[0], weight.shape[0], x2d.element_size(), chunk_memory_bytes)
         options = (ignore_index, temperature, softcap, logit_scale)
+        # One chunk needs no recomputation: its kept logits serve any upstream gradient at the
+        # same cost as gradients in forward, without backward's check and scaling.
+        grad_in_forward = grad_in_forward and x2d.shape[0] > chunk_rows
         # Without gradients in forward, the logits buffer is kept for a backward that starts with
         # the last chunk's logits; with them it holds a gradient, and a backward that must recompute
         # after all allocates a new one.
