@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tigon.transformers import apply_tigon
 from tigon.trl import patch_trl, unpatch_trl
+from utils import DEVICE
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -137,7 +138,7 @@ TRAINERS = {
 
 def head_functions(model) -> set[str]:
     """The autograd functions behind the log-probs that ``model``'s fused head returns."""
-    input_ids = torch.arange(3, 11).unsqueeze(0)
+    input_ids = torch.arange(3, 11, device=model.device).unsqueeze(0)
     log_probs = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
     names, seen, pending = set(), set(), [log_probs.grad_fn]
     while pending:
@@ -190,7 +191,7 @@ def test_trainer_matches_trl(name, tmp_path):
 
 
 def test_a_model_given_trl_head_follows_patch_and_unpatch():
-    model = tiny_llama(seed=0)
+    model = tiny_llama(seed=0).to(DEVICE)
     trl_utils.add_fused_lm_head(model)
     assert TRL_HEAD in head_functions(model)
     patch_trl()
