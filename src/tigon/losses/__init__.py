@@ -3,6 +3,8 @@
 Preference optimisation (:mod:`tigon.losses.preference`): DPO, CPO, SimPO, ORPO, KTO.
 Distillation (:mod:`tigon.losses.distillation`): KL divergence, generalized JSD, total variation
 distance, and the JSD of two models' heads computed without their logits.
+RL (:mod:`tigon.losses.grpo`): the GRPO family (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, SAPO, LUSPO,
+GSPO's sequence-level ratios) from the policy's hidden states and head.
 """
 
 from tigon.losses.distillation import (
@@ -15,6 +17,7 @@ from tigon.losses.distillation import (
     kl_div,
     tvd,
 )
+from tigon.losses.grpo import FusedLinearGRPOLoss, fused_linear_grpo
 from tigon.losses.preference import (
     FusedLinearCPOLoss,
     FusedLinearDPOLoss,
@@ -38,6 +41,8 @@ __all__ = [
     "jsd",
     "kl_div",
     "tvd",
+    "FusedLinearGRPOLoss",
+    "fused_linear_grpo",
     "FusedLinearCPOLoss",
     "FusedLinearDPOLoss",
     "FusedLinearKTOLoss",

@@ -42,6 +42,7 @@ Extra memory: one chunk of logits (``chunk_memory_bytes``) and the gradients the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import triton
@@ -57,6 +58,7 @@ from tigon.ops.cross_entropy import (
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
+from tigon.ops.fused_linear_preference import sequence_chunks, sequences_per_chunk_for
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -460,3 +462,82 @@ def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature
         field.view(target.shape) if name in outputs else None for name, field in zip(FIELDS, fields)
     )
 
+
+
+# loss_share(sequence_ids [k], logps [k, T] fp64, requires grad) → the share of the loss of the
+# chunk's k whole sequences (fp64 scalar, differentiable in logps); the loss is the sum of shares.
+LogprobLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class FusedLinearLogprobLossFunction(torch.autograd.Function):
+    """A loss of the per-token log-probs of whole sequences, with gradients computed in forward:
+    per chunk of sequences, the log-probs, then ``dL/dlogp`` by autograd through the loss's
+    formula on ``[k, T]`` values, then ``dL/dlogp · (onehot − p)`` over the chunk's logits by the
+    recomputing kernel, then the chunk loop's matmuls (``6·N·H·V`` FLOPs in all). Backward scales
+    the saved gradients by ``grad_output`` in place (so it runs once per forward). Also returns
+    the per-token log-probs and entropies (fp32 ``[S, T]``, not differentiable) for metrics."""
+
+    @staticmethod
+    def forward(ctx, input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs):
+        n_sequences, seq_len = target.shape
+        check_targets(target.reshape(-1), weight.shape[0], ignore_index)
+        x2d, target_rows = as_rows(input), target.reshape(-1)
+        per_chunk = sequences_per_chunk_for(seq_len, weight.shape[0], x2d.element_size(), False, chunk_memory_bytes)
+        chunks = sequence_chunks(n_sequences, seq_len, False, per_chunk)
+        compute_grad = any(needs)
+        grad_input, grad_weight, grad_bias = new_grads(x2d, weight, *needs)
+        n_rows = target_rows.numel()
+        log_prob, lse, entropy = (x2d.new_empty(n_rows, dtype=torch.float32) for _ in range(3))
+        loss = torch.zeros((), dtype=torch.float64, device=input.device)
+        transform = (ignore_index, temperature, None, 1.0)
+
+        def loss_head(ranges, logits):
+            ((start, end),) = ranges
+            rows = slice(start, end)
+            launch_logprobs_fwd(
+                logits, target_rows[rows], [log_prob[rows], lse[rows], entropy[rows], None, None, None], None,
+                *transform,
+            )
+            sequence_ids = torch.arange(start // seq_len, end // seq_len, device=logits.device)
+            with torch.enable_grad():
+                logps = log_prob[rows].view(-1, seq_len).double().requires_grad_(compute_grad)
+                share = loss_share(sequence_ids, logps)
+            loss.add_(share.detach())
+            if compute_grad:
+                grad_logps = torch.autograd.grad(share, logps, allow_unused=True)[0]
+                grad_logps = torch.zeros_like(logps) if grad_logps is None else grad_logps
+                launch_logprobs_bwd(
+                    logits, target_rows[rows], lse[rows], None, grad_logps.float().view(-1), None, *transform,
+                )
+
+        fused_linear_chunks(x2d, weight, bias, chunks, loss_head, grad_input, grad_weight, grad_bias)
+        ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+        ctx.needs, ctx.input_shape = needs, input.shape
+        log_prob, entropy = log_prob.view(n_sequences, seq_len), entropy.view(n_sequences, seq_len)
+        ctx.mark_non_differentiable(log_prob, entropy)
+        return loss.float(), log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_log_prob, grad_entropy):
+        grads = []
+        grad_output = grad_loss.reshape(1).float()
+        for grad, needed in zip(ctx.saved_tensors, ctx.needs):
+            if needed:
+                cross_entropy_bwd(grad.view(-1, grad.shape[-1]), grad_output)
+            grads.append(grad if needed else None)
+        grad_input, grad_weight, grad_bias = grads
+        if grad_input is not None:
+            grad_input = grad_input.view(ctx.input_shape)
+        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None
+
+
+def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, ignore_index: int,
+                              temperature: float, chunk_memory_bytes: int | None):
+    """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
+    entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over chunks of whole
+    sequences; inputs validated by :mod:`tigon.losses`."""
+    grad_enabled = torch.is_grad_enabled()
+    needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
+    return FusedLinearLogprobLossFunction.apply(
+        input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs,
+    )

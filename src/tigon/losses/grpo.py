@@ -1,0 +1,249 @@
+"""The GRPO family of RL losses from hidden states and the LM head, without the logits.
+
+Inputs are a batch of ``B`` completions of ``T`` tokens: ``input [B, T, H]``, the policy's last
+hidden states at the positions that predict each completion token, ``weight [V, H]`` (and
+``bias [V]``), ``completion_ids [B, T]``, ``completion_mask [B, T]`` (1 for a real completion
+token) and one ``advantage`` per completion. With ``logp`` the policy's log-prob of each token at
+``temperature``, ``old`` the sampling policy's (``None``: on-policy, ``old = logp`` detached, so the
+ratio is 1 and its gradient is the policy gradient) and ``ref`` a reference model's, the formulas
+are those of TRL 1.16's ``GRPOTrainer`` for one process (TRL's optional top-entropy mask,
+off-policy mask and vLLM importance-sampling correction are not part of it)::
+
+    ratio r   = exp(logp − old)                          importance_sampling_level="token"
+              = exp(Σ_t m·(logp − old) / Σ_t m)          "sequence" (GSPO): one per completion
+    grpo, bnpo, dr_grpo, dapo, luspo:
+              ℓ = −min(min(r, δ)·A, clip(r, 1 − ε_low, 1 + ε_high)·A)     (min(r, δ) only with delta)
+    cispo:    ℓ = −sg(min(r, ε_high))·A·logp                              (sg: no gradient)
+    sapo:     ℓ = −4/τ·σ(τ·(r − 1))·A,  τ = τ_pos if A > 0 else τ_neg
+    + β·(exp(ref − logp) − (ref − logp) − 1)                             (the k3 KL, β > 0)
+
+and the per-token losses ``ℓ`` are reduced over the masked tokens by the loss type: ``grpo`` and
+``sapo`` average each completion's tokens, then the completions; ``bnpo`` divides the sum by the
+batch's active tokens; ``dr_grpo`` by ``B · max_completion_length``; ``dapo`` and ``cispo`` by
+``num_items_in_batch`` when given (the active tokens of the whole step, across micro-batches and
+processes, as the caller counts them), else by the batch's active tokens; ``luspo`` sums each
+completion's tokens and averages the completions. ``vespo`` (TRL's variational sequence-level
+weights) is not provided.
+
+The per-token log-probs and the gradients come from the chunk loop of
+:mod:`tigon.ops.fused_linear_logprobs` (chunks of whole completions, gradients computed in the
+forward pass, ``6·N·H·V`` FLOPs): no ``[B·T, V]`` logits exist, only one chunk's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tigon._checks import INDEX_DTYPES, check_choice, check_head, check_same_device, check_shape, check_tensor
+from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
+
+__all__ = ["LOSS_TYPES", "FusedLinearGRPOLoss", "fused_linear_grpo"]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    max_completion_length: int | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def check(self) -> None:
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        for name in ("beta", "epsilon_low", "epsilon_high"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.delta is not None and not self.delta > 0.0:
+            raise ValueError(f"delta must be None or > 0, got {self.delta!r}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.max_completion_length is not None and not self.max_completion_length > 0:
+            raise ValueError(f"max_completion_length must be None or > 0, got {self.max_completion_length!r}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def importance_ratio(logps, old, mask, level):
+    """``[k, T]`` per-token ratios, or ``[k, 1]`` per completion for ``level="sequence"``."""
+    log_ratio = logps - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return log_ratio.exp()
+
+
+def per_token_losses(logps, old, ref, advantages, mask, options: GRPOOptions):
+    """``ℓ`` of the module docstring for ``[k, T]`` log-probs (``[k, 1]`` at sequence level
+    without KL), and the ratio ``r`` the clip metrics read."""
+    ratio = importance_ratio(logps, old, mask, options.importance_sampling_level)
+    advantages = advantages.unsqueeze(-1)
+    if options.loss_type == "cispo":
+        losses = -ratio.clamp(max=options.epsilon_high).detach() * advantages * logps
+    elif options.loss_type == "sapo":
+        tau = torch.where(advantages > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
+        losses = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+    else:
+        clipped = ratio.clamp(1.0 - options.epsilon_low, 1.0 + options.epsilon_high)
+        if options.delta is not None:
+            ratio = ratio.clamp(max=options.delta)
+        losses = -torch.minimum(ratio * advantages, clipped * advantages)
+    if options.beta != 0.0:
+        losses = losses + options.beta * k3_kl(logps, ref)
+    return losses, ratio
+
+
+def k3_kl(logps, ref):
+    return torch.exp(ref - logps) - (ref - logps) - 1.0
+
+
+def token_weights(mask, options: GRPOOptions, num_items_in_batch):
+    """``[B, T]`` weights such that the loss is ``Σ ℓ · weights`` (the reduction of the loss type)."""
+    n_completions, seq_len = mask.shape
+    if options.loss_type in ("grpo", "sapo"):
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / n_completions
+    if options.loss_type == "luspo":
+        return mask / n_completions
+    if options.loss_type == "dr_grpo":
+        return mask / (n_completions * (options.max_completion_length or seq_len))
+    if options.loss_type in ("dapo", "cispo") and num_items_in_batch is not None:
+        return mask / torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device).clamp(min=1.0)
+    return mask / mask.sum().clamp(min=1.0)
+
+
+def _masked_mean(values, mask):
+    """Mean over the active tokens, or over the completions for ``[k, 1]`` sequence-level values."""
+    if values.shape[-1] == 1:
+        return values.mean()
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -> dict[str, torch.Tensor]:
+    """TRL's logged metrics, from the detached per-token values."""
+    metrics = {"entropy": _masked_mean(entropy, mask)}
+    ratio = per_token_losses(logps, old, ref, advantages, mask, options)[1]
+    advantages = advantages.unsqueeze(-1)
+    if options.beta != 0.0:
+        metrics["kl"] = _masked_mean(k3_kl(logps, ref), mask)
+    if options.loss_type in CLIPPED_TYPES:
+        low = (ratio < 1.0 - options.epsilon_low) & (advantages < 0)
+        high = (ratio > 1.0 + options.epsilon_high) & (advantages > 0)
+        metrics["clip_ratio_low"] = _masked_mean(low.double(), mask)
+        metrics["clip_ratio_high"] = _masked_mean(high.double(), mask)
+        metrics["clip_ratio_region"] = _masked_mean((low | high).double(), mask)
+    elif options.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = _masked_mean(((ratio > options.epsilon_high) & (advantages > 0)).double(), mask)
+    return {name: value.float() for name, value in metrics.items()}
+
+
+def _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+                ref_per_token_logps, options: GRPOOptions):
+    options.check()
+    check_head("", input, weight, bias, input_dim=3)
+    completions = tuple(input.shape[:2])
+    check_tensor("completion_ids", completion_ids, dtypes=INDEX_DTYPES, dim=2)
+    check_shape("completion_ids", completion_ids, completions, "the completions and tokens of input")
+    check_tensor("completion_mask", completion_mask, dtypes=(torch.bool, *INDEX_DTYPES, torch.float32), dim=2)
+    check_shape("completion_mask", completion_mask, completions, "the completions and tokens of input")
+    check_tensor("advantages", advantages, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), dim=1)
+    check_shape("advantages", advantages, completions[:1], "one per completion")
+    for name, logps in (("old_per_token_logps", old_per_token_logps), ("ref_per_token_logps", ref_per_token_logps)):
+        if logps is not None:
+            check_tensor(name, logps, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), dim=2)
+            check_shape(name, logps, completions, "the completions and tokens of input")
+    if options.beta != 0.0 and ref_per_token_logps is None:
+        raise ValueError(f"beta = {options.beta} weights a KL to the reference model: ref_per_token_logps is required")
+    check_same_device(
+        input=input, weight=weight, completion_ids=completion_ids, completion_mask=completion_mask,
+        advantages=advantages, bias=bias, old_per_token_logps=old_per_token_logps,
+        ref_per_token_logps=ref_per_token_logps,
+    )
+
+
+def fused_linear_grpo(
+    input, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
+    ref_per_token_logps=None, num_items_in_batch=None, *, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None,
+    loss_type="dapo", importance_sampling_level="token", temperature=1.0, max_completion_length=None,
+    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, chunk_memory_bytes=None,
+):
+    """The GRPO-family loss of the module docstring → ``(loss, metrics)``.
+
+    Args:
+        input: ``[B, T, H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
+        completion_ids: ``[B, T]`` int64/int32; completion_mask: ``[B, T]`` bool or 0/1.
+        advantages: ``[B]``. old_per_token_logps, ref_per_token_logps: ``[B, T]`` or ``None``.
+        num_items_in_batch: the step's active tokens for ``dapo``/``cispo`` (int or tensor), or ``None``.
+        chunk_memory_bytes: logits memory per chunk of whole completions (default 512 MiB; a
+            completion longer than the budget is one chunk).
+    Returns: the fp32 scalar loss, and a dict of detached fp32 scalars: ``entropy`` (mean over
+        the active tokens), ``kl`` (with ``beta``), ``clip_ratio_low``, ``clip_ratio_high`` and
+        ``clip_ratio_region`` (clipped loss types) or ``cispo_clip_ratio``, as TRL logs them.
+    """
+    options = GRPOOptions(
+        beta=float(beta), epsilon_low=float(epsilon_low), epsilon_high=float(epsilon_high),
+        delta=None if delta is None else float(delta), loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level, temperature=float(temperature),
+        max_completion_length=max_completion_length, sapo_temperature_pos=float(sapo_temperature_pos),
+        sapo_temperature_neg=float(sapo_temperature_neg),
+    )
+    _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+                ref_per_token_logps, options)
+    mask = completion_mask.bool()
+    target = torch.where(mask, completion_ids, IGNORE_INDEX)
+    mask = mask.double()
+    weights = token_weights(mask, options, num_items_in_batch)
+    advantages64 = advantages.detach().double()
+    old = None if old_per_token_logps is None else old_per_token_logps.detach().double()
+    ref = None if ref_per_token_logps is None else ref_per_token_logps.detach().double()
+
+    def loss_share(ids, logps):
+        chunk_old = logps.detach() if old is None else old[ids]
+        chunk_ref = None if ref is None else ref[ids]
+        losses = per_token_losses(logps, chunk_old, chunk_ref, advantages64[ids], mask[ids], options)[0]
+        return (losses * weights[ids]).sum()
+
+    loss, log_probs, entropy = fused_linear_logprob_loss(
+        input, weight, target, bias, loss_share, IGNORE_INDEX, options.temperature, chunk_memory_bytes,
+    )
+    logps = log_probs.double()
+    metrics = _metrics(logps, entropy.double(), logps if old is None else old, ref, advantages64, mask, options)
+    return loss, metrics
+
+
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """:func:`fused_linear_grpo` with its options fixed: ``loss, metrics = loss_fn(input, weight,
+    completion_ids, completion_mask, advantages, bias, old_per_token_logps, ref_per_token_logps,
+    num_items_in_batch)``."""
+
+    def __init__(self, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, loss_type="dapo",
+                 importance_sampling_level="token", temperature=1.0, max_completion_length=None,
+                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, chunk_memory_bytes=None):
+        super().__init__()
+        self.options = dict(
+            beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
+            importance_sampling_level=importance_sampling_level, temperature=temperature,
+            max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg, chunk_memory_bytes=chunk_memory_bytes,
+        )
+        GRPOOptions(**{k: v for k, v in self.options.items() if k != "chunk_memory_bytes"}).check()
+
+    def forward(self, input, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
+                ref_per_token_logps=None, num_items_in_batch=None):
+        return fused_linear_grpo(
+            input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+            ref_per_token_logps, num_items_in_batch, **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
