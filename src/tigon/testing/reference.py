@@ -7,6 +7,8 @@ which is how the tests obtain a higher-precision truth from the very same input 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -272,3 +274,144 @@ def fused_linear_jsd(input, weight, teacher_input, teacher_weight, labels=None, 
     with torch.no_grad():
         teacher = head_logits(teacher_input, teacher_weight, logits_dtype=teacher_logits_dtype).to(compute) / temperature
     return jsd(student.log_softmax(-1), teacher.log_softmax(-1), labels, beta, ignore_index)
+
+
+# --- GRPO family (tigon.losses.grpo) -------------------------------------------------------------
+# TRL 1.16's GRPOTrainer._compute_loss for one process without gradient accumulation, and without
+# its optional extras (top-entropy mask, off-policy mask, vLLM importance-sampling correction,
+# bias-corrected KL).
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+
+def _choose(condition, value_if_true, value_if_false, like):
+    """``torch.where`` over two numbers, in ``like``'s dtype (with two Python numbers it would
+    round them to the default float32)."""
+    return torch.where(condition, torch.tensor(value_if_true, dtype=like.dtype, device=like.device), value_if_false)
+
+
+def _vespo_weights(advantages, log_ratio, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's gamma weight φ(w) = e^λ · w^k · e^(−λw) of the sequence's ratio w = exp Σₜ log rₜ
+    (φ(1) = 1), written in log space with TRL's clamps; a constant factor, no gradient."""
+    log_w = (log_ratio.detach().clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    positive = advantages >= 0
+    k = _choose(positive, k_pos, k_neg, log_w)
+    lam = _choose(positive, lambda_pos, lambda_neg, log_w).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_token_logps=None,
+                         ref_per_token_logps=None, num_items_in_batch=None, beta=0.0, epsilon_low=0.2,
+                         epsilon_high=0.2, delta=None, loss_type="dapo", importance_sampling_level="token",
+                         max_completion_length=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                         vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+                         entropy=None):
+    """The GRPO family's loss from the policy's per-token log-probs ``per_token_logps [B, T]``.
+
+    With ``log rₜ = logpₜ − old logpₜ`` (``old = logp.detach()`` when not given: ratio 1, gradient
+    of logp) the importance weight is ``rₜ`` (token) or ``exp(mean over the sequence's tokens of
+    log rₜ)`` (sequence, GSPO), and with advantage ``A`` per sequence the per-token loss is
+
+    - grpo, bnpo, dr_grpo, dapo, luspo: ``−min(min(r, δ)·A, clip(r, 1 − ε_low, 1 + ε_high)·A)``
+      (``min(r, δ)`` only when ``delta`` is given);
+    - cispo: ``−sg(min(r, ε_high))·A·logp``;
+    - sapo: ``−σ(τ·(r − 1))·4/τ·A``, τ = ``sapo_temperature_pos`` if A > 0 else ``_neg``;
+    - vespo: ``−φ(w)·A·logp``, φ of the sequence's ratio (see ``_vespo_weights``);
+
+    plus ``β·(e^(ref − logp) − (ref − logp) − 1)`` when ``beta ≠ 0``. Over the active tokens of
+    ``completion_mask`` it is then averaged per sequence and over sequences (grpo, sapo), averaged
+    over all tokens (bnpo), summed and divided by B·``max_completion_length`` (dr_grpo; T when not
+    given), by ``num_items_in_batch`` or else the number of tokens (dapo, cispo, vespo), or summed
+    per sequence and averaged over sequences (luspo).
+
+    Returns ``(loss, metrics)``: the means over active tokens of ``entropy`` (when given) and of
+    the KL term (when ``beta ≠ 0``), and the clip ratios TRL logs for the loss type (the share of
+    tokens whose ratio is clipped below with A < 0, above with A > 0, and either; cispo's clipped
+    share is its high and region ratio; sapo and vespo clip nothing). At the sequence level the
+    ratios are, as in TRL, means over the B sequences.
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    dtype = per_token_logps.dtype
+    mask = completion_mask.to(dtype)
+    advantages = advantages.to(dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps.to(dtype)
+
+    log_ratio = per_token_logps - old
+    if importance_sampling_level == "token":
+        log_weights = log_ratio
+    else:
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_weights)
+
+    clipped_low = clipped_high = torch.zeros_like(ratio, dtype=torch.bool)
+    if loss_type == "cispo":
+        per_token_loss = -ratio.clamp(max=epsilon_high).detach() * advantages * per_token_logps
+        clipped_high = (ratio > epsilon_high) & (advantages > 0)
+    elif loss_type == "sapo":
+        temperature = _choose(advantages > 0, sapo_temperature_pos, sapo_temperature_neg, ratio)
+        per_token_loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+    elif loss_type == "vespo":
+        phi = _vespo_weights(advantages, log_ratio, mask, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        per_token_loss = -phi * advantages * per_token_logps
+    else:
+        clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+        capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+        per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
+        clipped_low = (ratio < 1 - epsilon_low) & (advantages < 0)
+        clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
+
+    if beta != 0.0:
+        ref = ref_per_token_logps.to(dtype)
+        per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        per_token_loss = per_token_loss + beta * per_token_kl
+
+    masked_loss = per_token_loss * mask  # broadcasts the sequence level's [B, 1] over the tokens
+    n_tokens = mask.sum().clamp(min=1.0)
+    n_sequences, max_length = mask.shape[0], max_completion_length or mask.shape[1]
+    if loss_type in ("grpo", "sapo"):
+        loss = (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = masked_loss.sum() / n_tokens
+    elif loss_type == "dr_grpo":
+        loss = masked_loss.sum() / (n_sequences * max_length)
+    elif loss_type == "luspo":
+        loss = masked_loss.sum(-1).mean()
+    else:
+        normalizer = n_tokens
+        if num_items_in_batch is not None:
+            normalizer = torch.as_tensor(num_items_in_batch, dtype=dtype, device=mask.device).clamp(min=1.0)
+        loss = masked_loss.sum() / normalizer
+
+    def active_mean(values):
+        return (values * mask).sum() / n_tokens
+
+    def clip_ratio(clipped):
+        clipped = clipped.to(dtype)
+        return clipped.mean() if importance_sampling_level == "sequence" else active_mean(clipped)
+
+    with torch.no_grad():
+        metrics = {}
+        if entropy is not None:
+            metrics["entropy"] = active_mean(entropy.to(dtype))
+        if beta != 0.0:
+            metrics["kl"] = active_mean(per_token_kl)
+        metrics["clip_ratio_low"] = clip_ratio(clipped_low)
+        metrics["clip_ratio_high"] = clip_ratio(clipped_high)
+        metrics["clip_ratio_region"] = clip_ratio(clipped_low | clipped_high)
+    return loss, metrics
+
+
+def grpo_loss(input, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
+              ref_per_token_logps=None, num_items_in_batch=None, temperature=1.0, logits_dtype=None, **options):
+    """The GRPO family's loss on the full logits ``input [B, T, H] @ weightᵀ (+ bias)``, divided by
+    ``temperature``: log pₜ = log softmax(zₜ / temperature)[completion_idsₜ], entropy
+    Hₜ = −Σᵥ pᵥ log pᵥ of the same distribution; ``**options`` as in ``grpo_loss_from_logps``."""
+    logits = head_logits(input, weight, bias, logits_dtype)
+    log_p = (logits.to(_compute_dtype(logits.dtype)) / temperature).log_softmax(-1)
+    per_token_logps = log_p.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    return grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_token_logps,
+                                ref_per_token_logps, num_items_in_batch, entropy=entropy, **options)
