@@ -325,10 +325,11 @@ def grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_t
     per sequence and averaged over sequences (luspo).
 
     Returns ``(loss, metrics)``: the means over active tokens of ``entropy`` (when given) and of
-    the KL term (when ``beta ≠ 0``), and the clip ratios TRL logs for the loss type (the share of
-    tokens whose ratio is clipped below with A < 0, above with A > 0, and either; cispo's clipped
-    share is its high and region ratio; sapo and vespo clip nothing). At the sequence level the
-    ratios are, as in TRL, means over the B sequences.
+    the KL term (when ``beta ≠ 0``), and what TRL logs for the loss type: ``clip_ratio_low``,
+    ``_high`` and ``_region`` for the PPO-clipped types (the share of tokens whose ratio, after
+    ``delta``'s cap, is below 1 − ε_low with A < 0, above 1 + ε_high with A > 0, either),
+    ``cispo_clip_ratio`` (r > ε_high with A > 0), ``vespo_phi_seq_mean``, nothing for sapo. At
+    the sequence level the ratios are, as in TRL, means over the B sequences.
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
@@ -346,10 +347,10 @@ def grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_t
         log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_weights)
 
-    clipped_low = clipped_high = torch.zeros_like(ratio, dtype=torch.bool)
+    clip_ratios = {}
     if loss_type == "cispo":
         per_token_loss = -ratio.clamp(max=epsilon_high).detach() * advantages * per_token_logps
-        clipped_high = (ratio > epsilon_high) & (advantages > 0)
+        clip_ratios["cispo_clip_ratio"] = (ratio > epsilon_high) & (advantages > 0)
     elif loss_type == "sapo":
         temperature = _choose(advantages > 0, sapo_temperature_pos, sapo_temperature_neg, ratio)
         per_token_loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
@@ -358,10 +359,13 @@ def grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_t
         per_token_loss = -phi * advantages * per_token_logps
     else:
         clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-        capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
-        per_token_loss = -torch.min(capped_ratio * advantages, clipped_ratio * advantages)
+        if delta is not None:
+            ratio = ratio.clamp(max=delta)
+        per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
         clipped_low = (ratio < 1 - epsilon_low) & (advantages < 0)
         clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
+        clip_ratios.update(clip_ratio_low=clipped_low, clip_ratio_high=clipped_high,
+                           clip_ratio_region=clipped_low | clipped_high)
 
     if beta != 0.0:
         ref = ref_per_token_logps.to(dtype)
@@ -388,19 +392,17 @@ def grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_t
     def active_mean(values):
         return (values * mask).sum() / n_tokens
 
-    def clip_ratio(clipped):
-        clipped = clipped.to(dtype)
-        return clipped.mean() if importance_sampling_level == "sequence" else active_mean(clipped)
-
     with torch.no_grad():
         metrics = {}
         if entropy is not None:
             metrics["entropy"] = active_mean(entropy.to(dtype))
         if beta != 0.0:
             metrics["kl"] = active_mean(per_token_kl)
-        metrics["clip_ratio_low"] = clip_ratio(clipped_low)
-        metrics["clip_ratio_high"] = clip_ratio(clipped_high)
-        metrics["clip_ratio_region"] = clip_ratio(clipped_low | clipped_high)
+        for name, clipped in clip_ratios.items():
+            clipped = clipped.to(dtype)
+            metrics[name] = clipped.mean() if importance_sampling_level == "sequence" else active_mean(clipped)
+        if loss_type == "vespo":
+            metrics["vespo_phi_seq_mean"] = phi.mean()
     return loss, metrics
 
 
