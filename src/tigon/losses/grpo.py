@@ -15,15 +15,16 @@ off-policy mask and vLLM importance-sampling correction are not part of it)::
               ℓ = −min(min(r, δ)·A, clip(r, 1 − ε_low, 1 + ε_high)·A)     (min(r, δ) only with delta)
     cispo:    ℓ = −sg(min(r, ε_high))·A·logp                              (sg: no gradient)
     sapo:     ℓ = −4/τ·σ(τ·(r − 1))·A,  τ = τ_pos if A > 0 else τ_neg
+    vespo:    ℓ = −sg(φ(w))·A·logp,  φ(w) = e^λ·w^k·e^(−λw) of the completion's ratio
+              w = exp Σ_t m·clamp(logp − old, ±20) (clamped to [1e-8, e^20]); k, λ by the sign of A
     + β·(exp(ref − logp) − (ref − logp) − 1)                             (the k3 KL, β > 0)
 
 and the per-token losses ``ℓ`` are reduced over the masked tokens by the loss type: ``grpo`` and
 ``sapo`` average each completion's tokens, then the completions; ``bnpo`` divides the sum by the
 batch's active tokens; ``dr_grpo`` by ``B · max_completion_length``; ``dapo`` and ``cispo`` by
 ``num_items_in_batch`` when given (the active tokens of the whole step, across micro-batches and
-processes, as the caller counts them), else by the batch's active tokens; ``luspo`` sums each
-completion's tokens and averages the completions. ``vespo`` (TRL's variational sequence-level
-weights) is not provided.
+processes, as the caller counts them), else by the batch's active tokens, as does ``vespo``;
+``luspo`` sums each completion's tokens and averages the completions.
 
 The per-token log-probs and the gradients come from the chunk loop of
 :mod:`tigon.ops.fused_linear_logprobs` (chunks of whole completions, gradients computed in the
@@ -32,6 +33,7 @@ forward pass, ``6·N·H·V`` FLOPs): no ``[B·T, V]`` logits exist, only one chu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +43,7 @@ from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
 
 __all__ = ["LOSS_TYPES", "FusedLinearGRPOLoss", "fused_linear_grpo"]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IGNORE_INDEX = -100
 
@@ -58,6 +60,10 @@ class GRPOOptions:
     max_completion_length: int | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def check(self) -> None:
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -84,12 +90,25 @@ def importance_ratio(logps, old, mask, level):
     return log_ratio.exp()
 
 
+def vespo_weights(logps, old, advantages, mask, options: GRPOOptions):
+    """``[k, 1]`` φ(w) of each completion (constants: no gradient); ``advantages`` is ``[k, 1]``."""
+    log_ratio = (logps - old).detach().clamp(-20.0, 20.0)
+    log_w = (log_ratio * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    nonnegative = advantages >= 0
+    k = torch.where(nonnegative, options.vespo_k_pos, options.vespo_k_neg)
+    lam = torch.where(nonnegative, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def per_token_losses(logps, old, ref, advantages, mask, options: GRPOOptions):
     """``ℓ`` of the module docstring for ``[k, T]`` log-probs (``[k, 1]`` at sequence level
-    without KL), and the ratio ``r`` the clip metrics read."""
+    without KL), and the ratio ``r`` the clip metrics read (φ(w) for vespo)."""
     ratio = importance_ratio(logps, old, mask, options.importance_sampling_level)
     advantages = advantages.unsqueeze(-1)
-    if options.loss_type == "cispo":
+    if options.loss_type == "vespo":
+        ratio = vespo_weights(logps, old, advantages, mask, options)
+        losses = -ratio * advantages * logps
+    elif options.loss_type == "cispo":
         losses = -ratio.clamp(max=options.epsilon_high).detach() * advantages * logps
     elif options.loss_type == "sapo":
         tau = torch.where(advantages > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
@@ -117,7 +136,7 @@ def token_weights(mask, options: GRPOOptions, num_items_in_batch):
         return mask / n_completions
     if options.loss_type == "dr_grpo":
         return mask / (n_completions * (options.max_completion_length or seq_len))
-    if options.loss_type in ("dapo", "cispo") and num_items_in_batch is not None:
+    if options.loss_type in ("dapo", "cispo", "vespo") and num_items_in_batch is not None:
         return mask / torch.as_tensor(num_items_in_batch, dtype=mask.dtype, device=mask.device).clamp(min=1.0)
     return mask / mask.sum().clamp(min=1.0)
 
@@ -144,6 +163,8 @@ def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -
         metrics["clip_ratio_region"] = _masked_mean((low | high).double(), mask)
     elif options.loss_type == "cispo":
         metrics["cispo_clip_ratio"] = _masked_mean(((ratio > options.epsilon_high) & (advantages > 0)).double(), mask)
+    elif options.loss_type == "vespo":
+        metrics["vespo_phi_seq_mean"] = ratio.mean()
     return {name: value.float() for name, value in metrics.items()}
 
 
@@ -175,7 +196,8 @@ def fused_linear_grpo(
     input, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
     ref_per_token_logps=None, num_items_in_batch=None, *, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None,
     loss_type="dapo", importance_sampling_level="token", temperature=1.0, max_completion_length=None,
-    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, chunk_memory_bytes=None,
+    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0, chunk_memory_bytes=None,
 ):
     """The GRPO-family loss of the module docstring → ``(loss, metrics)``.
 
@@ -188,14 +210,16 @@ def fused_linear_grpo(
             completion longer than the budget is one chunk).
     Returns: the fp32 scalar loss, and a dict of detached fp32 scalars: ``entropy`` (mean over
         the active tokens), ``kl`` (with ``beta``), ``clip_ratio_low``, ``clip_ratio_high`` and
-        ``clip_ratio_region`` (clipped loss types) or ``cispo_clip_ratio``, as TRL logs them.
+        ``clip_ratio_region`` (clipped loss types), ``cispo_clip_ratio`` or ``vespo_phi_seq_mean``,
+        as TRL logs them.
     """
     options = GRPOOptions(
         beta=float(beta), epsilon_low=float(epsilon_low), epsilon_high=float(epsilon_high),
         delta=None if delta is None else float(delta), loss_type=loss_type,
         importance_sampling_level=importance_sampling_level, temperature=float(temperature),
         max_completion_length=max_completion_length, sapo_temperature_pos=float(sapo_temperature_pos),
-        sapo_temperature_neg=float(sapo_temperature_neg),
+        sapo_temperature_neg=float(sapo_temperature_neg), vespo_k_pos=float(vespo_k_pos),
+        vespo_lambda_pos=float(vespo_lambda_pos), vespo_k_neg=float(vespo_k_neg), vespo_lambda_neg=float(vespo_lambda_neg),
     )
     _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                 ref_per_token_logps, options)
@@ -228,13 +252,15 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def __init__(self, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, loss_type="dapo",
                  importance_sampling_level="token", temperature=1.0, max_completion_length=None,
-                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, chunk_memory_bytes=None):
+                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                 vespo_k_neg=3.0, vespo_lambda_neg=2.0, chunk_memory_bytes=None):
         super().__init__()
         self.options = dict(
             beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
             importance_sampling_level=importance_sampling_level, temperature=temperature,
             max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
-            sapo_temperature_neg=sapo_temperature_neg, chunk_memory_bytes=chunk_memory_bytes,
+            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, chunk_memory_bytes=chunk_memory_bytes,
         )
         GRPOOptions(**{k: v for k, v in self.options.items() if k != "chunk_memory_bytes"}).check()
 
