@@ -21,7 +21,7 @@ from tigon.bench.specs import OPS
 
 OpTable = dict[str, Callable[[dict[str, Any]], Any]]
 # Losses whose gradients tigon and Liger compute during forward.
-LOSSES = ("kl_div", "jsd", "tvd", "fused_linear_jsd", "dpo", "orpo", "simpo", "kto")
+LOSSES = ("kl_div", "jsd", "tvd", "fused_linear_jsd", "dpo", "orpo", "simpo", "kto", "grpo", "grpo_ref")
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ def _tigon_losses() -> OpTable:
         "orpo": lambda a: tl.fused_linear_orpo(**a)[0],
         "simpo": lambda a: tl.fused_linear_simpo(**a)[0],
         "kto": lambda a: tl.fused_linear_kto(**a)[0],
+        "grpo": lambda a: tl.fused_linear_grpo(**a)[0],
+        "grpo_ref": lambda a: tl.fused_linear_grpo(**a)[0],
     }
 
 
@@ -118,6 +120,7 @@ def _liger_losses() -> OpTable:
     from liger_kernel.transformers import functional as lf
     from liger_kernel.chunked_loss import (
         LigerFusedLinearDPOLoss,
+        LigerFusedLinearGRPOLoss,
         LigerFusedLinearKTOLoss,
         LigerFusedLinearORPOLoss,
         LigerFusedLinearSimPOLoss,
@@ -141,7 +144,18 @@ def _liger_losses() -> OpTable:
         "kto": lambda a: kto(
             a["input"], a["weight"], a["target"], None, a["preference_labels"], a["ref_input"], a["ref_weight"],
         )[0],
+        "grpo": _liger_grpo(LigerFusedLinearGRPOLoss, beta=0.0),
+        "grpo_ref": _liger_grpo(LigerFusedLinearGRPOLoss, beta=0.04),
     }
+
+
+def _liger_grpo(loss_class, beta):
+    # The reference model's log-probs are given precomputed, as to tigon.
+    loss_fn = loss_class(beta=beta, use_ref_model=beta != 0.0, loss_type="dapo")
+    return lambda a: loss_fn(
+        a["input"], a["weight"], a["completion_ids"], a["completion_mask"], a["advantages"], None,
+        a["ref_per_token_logps"], a["old_per_token_logps"],
+    )[0]
 
 
 def _trl() -> OpTable:
@@ -154,9 +168,22 @@ def _trl() -> OpTable:
             a["input"], a["weight"], None, a["target"], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, outputs,
         )[0]
 
+    def grpo(a):
+        # TRL's GRPOTrainer: its head on the completion tokens, then its loss on the log-probs.
+        mask = a["completion_mask"]
+        log_probs = ChunkedLogProbFunction.apply(
+            a["input"][mask], a["weight"], None, a["completion_ids"][mask], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE,
+            None, 1.0, ("log_probs",),
+        )[0]
+        per_token_logps = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
+        options = {k: a[k] for k in ("old_per_token_logps", "ref_per_token_logps", "beta")}
+        return reference.grpo_loss_from_logps(per_token_logps, mask, a["advantages"], **options)[0]
+
     return {
         "fused_linear_logprobs": head(("log_probs",)),
         "fused_linear_logprobs_sft": head(("log_probs", "entropy", "is_top1")),
+        "grpo": grpo,
+        "grpo_ref": grpo,
     }
 
 

@@ -196,6 +196,44 @@ def _preference_flops(with_reference: bool, paired: bool):
     return work
 
 
+def _grpo_case(with_reference: bool):
+    """A GRPO batch: ``B`` completions of ``T`` tokens (a quarter of them padding in every other
+    completion), one advantage each, the sampling policy's log-probs and, with a reference model,
+    its log-probs and a KL weight of 0.04 (TRL's default loss type, dapo)."""
+
+    def build(dims, dtype, device):
+        n_completions, seq_len, hidden, vocab = dims["B"], dims["T"], dims["H"], dims["V"]
+        mask = torch.ones((n_completions, seq_len), dtype=torch.bool, device=device)
+        mask[::2, -seq_len // 4:] = False
+
+        def logps():
+            return torch.randn((n_completions, seq_len), device=device) * 0.1 - math.log(vocab)
+
+        args = {
+            "input": _randn((n_completions, seq_len, hidden), dtype, device, True),
+            "weight": _randn((vocab, hidden), dtype, device, True, scale=hidden**-0.5),
+            "completion_ids": torch.randint(0, vocab, (n_completions, seq_len), device=device),
+            "completion_mask": mask,
+            "advantages": torch.randn(n_completions, device=device),
+            "old_per_token_logps": logps(),
+            "ref_per_token_logps": logps() if with_reference else None,
+            "beta": 0.04 if with_reference else 0.0,
+        }
+        return Case(args, (None,))
+
+    return build
+
+
+def _grpo_flops(dims, element_size):
+    # The policy's logits forward and both matmuls of backward, as the fused linear cross entropy.
+    nhv = dims["B"] * dims["T"] * dims["H"] * dims["V"]
+    return 2 * nhv, 4 * nhv
+
+
+GRPO_SWEEP = Sweep("T", (1024, 2048, 4096), 1024, {"B": 8, "H": 4096, "V": 128256})
+GRPO_SMOKE = Sweep("T", (7, 12), 12, {"B": 2, "H": 32, "V": 300})
+
+
 def _distribution_case(input_kind: str, target_kind: str):
     """Student and teacher distributions over ``V`` for ``rows`` tokens, as log-probs or probs;
     the student's requires grad."""
@@ -398,6 +436,17 @@ OPS: dict[str, OpSpec] = {
             "simpo", "x [2·{B}, {T}, {H}], W [{V}, {H}]",
             sweep=PREFERENCE_SWEEP, smoke=PREFERENCE_SMOKE, build=_preference_case(True, False),
             call=lambda f, a: f.simpo_loss(**a)[0], work=_preference_flops(False, True), unit=FLOPS,
+        ),
+        # GRPO (dapo), with and without a reference model's log-probs (a KL term).
+        OpSpec(
+            "grpo", "x [{B}, {T}, {H}], W [{V}, {H}], dapo",
+            sweep=GRPO_SWEEP, smoke=GRPO_SMOKE, build=_grpo_case(False),
+            call=lambda f, a: f.grpo_loss(**a)[0], work=_grpo_flops, unit=FLOPS,
+        ),
+        OpSpec(
+            "grpo_ref", "x [{B}, {T}, {H}], W [{V}, {H}], dapo, β 0.04 KL",
+            sweep=GRPO_SWEEP, smoke=GRPO_SMOKE, build=_grpo_case(True),
+            call=lambda f, a: f.grpo_loss(**a)[0], work=_grpo_flops, unit=FLOPS,
         ),
         OpSpec(
             "kto", "x [{B}, {T}, {H}] unpaired, W [{V}, {H}], reference model",
