@@ -413,7 +413,8 @@ def grpo_loss(input, weight, completion_ids, completion_mask, advantages, bias=N
     Hₜ = −Σᵥ pᵥ log pᵥ of the same distribution; ``**options`` as in ``grpo_loss_from_logps``."""
     logits = head_logits(input, weight, bias, logits_dtype)
     log_p = (logits.to(_compute_dtype(logits.dtype)) / temperature).log_softmax(-1)
-    per_token_logps = log_p.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    ids = torch.where(completion_mask.bool(), completion_ids, 0)  # padding may hold any id
+    per_token_logps = log_p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
     return grpo_loss_from_logps(per_token_logps, completion_mask, advantages, old_per_token_logps,
                                 ref_per_token_logps, num_items_in_batch, entropy=entropy, **options)
