@@ -1,0 +1,15 @@
+"""The GRPO loop example trains as a user would run it: the policy's reward rises."""
+
+import runpy
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_loop.py"
+
+
+def test_grpo_loop_raises_the_reward():
+    main = runpy.run_path(str(EXAMPLE))["main"]
+    rewards = main(["--steps", "30", "--seed", "0"])["reward"]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    # From about 0.3 (a random policy's partial credit) to about 0.6 with this seed; over eight
+    # seeds the rise measured 0.21 to 0.35 (on a GPU the samples differ).
+    assert last > first + 0.1, f"mean reward of the first 5 steps {first:.3f}, of the last 5 {last:.3f}"
