@@ -98,18 +98,22 @@ def _compare(case, dtype, options, *, off_policy=True, with_ref=False, num_items
         num_items_in_batch=num_items_in_batch, logits_dtype=dtype, **options,
     )
     assert loss.dtype == torch.float32 and loss.shape == ()
-    assert_close(loss, truth, dtype, "loss")
+    # VESPO's φ = exp(λ + k·log w − λ·w) of a completion's summed log-ratio: the rounding of every
+    # fp32 log-prob in the sum reaches log φ multiplied by |k − λ·w| (measured 1.9e-5 on the GPU
+    # shapes, 300 tokens, V 50000), where the other losses see one token's rounding.
+    factor = 4.0 if options["loss_type"] == "vespo" else 1.0
+    assert_close(loss, truth, dtype, "loss", factor)
     assert set(metrics) == set(truth_metrics)
     for name, value in metrics.items():
         assert value.dtype == torch.float32 and value.shape == () and not value.requires_grad
-        assert_close(value, truth_metrics[name], dtype, name)
+        assert_close(value, truth_metrics[name], dtype, name, factor)
 
     # grad_output ≠ 1 exercises the scaling of the gradients computed in forward.
     (2.5 * loss).backward()
     (2.5 * truth).backward()
     for name, tensor, truth_tensor in zip(("input", "weight", "bias"), leaves, truth_leaves):
         assert tensor.grad.dtype == tensor.dtype and tensor.grad.shape == tensor.shape
-        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}")
+        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}", factor)
     assert torch.count_nonzero(leaves[0].grad[1]).item() == 0  # the empty completion
     return metrics
 
@@ -139,7 +143,7 @@ def test_on_policy_matches_reference(loss_type, level):
     metrics = _compare(CASES[0], torch.float32, _options(loss_type, importance_sampling_level=level), off_policy=False)
     for name in ("clip_ratio_low", "clip_ratio_high", "cispo_clip_ratio"):
         assert metrics.get(name, 0.0) == 0.0
-    assert metrics.get("vespo_phi_seq_mean", 1.0) == pytest.approx(1.0)  # φ(1) = 1
+    assert float(metrics.get("vespo_phi_seq_mean", 1.0)) == pytest.approx(1.0)  # φ(1) = 1
 
 
 # Each option on the loss types whose formula it changes.
@@ -183,8 +187,6 @@ def test_low_precision_matches_reference(name, dtype):
     _compare(CASES[0], dtype, options, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="with T = 1, fused_linear_grpo averages the token-level metrics over all "
-                   "completions, empty ones included (its [k, 1] test for sequence-level values)")
 def test_single_token_completions():
     """Completions of one token, one of them empty: the metrics are still means over active tokens."""
     _compare((4, 1, 32, 300, 2), torch.float32, dict(loss_type="bnpo"), off_policy=False)

@@ -149,9 +149,20 @@ def _liger_losses() -> OpTable:
     }
 
 
-def _liger_grpo(loss_class, beta):
+def _liger_eager() -> OpTable:
+    """Liger's GRPO loss with its chunk function left uncompiled (``compiled=False``): its default
+    torch.compile failed or recompiled in tigon bench's sweep (docs/perf-notes/grpo.md)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    return {
+        "grpo": _liger_grpo(LigerFusedLinearGRPOLoss, beta=0.0, compiled=False),
+        "grpo_ref": _liger_grpo(LigerFusedLinearGRPOLoss, beta=0.04, compiled=False),
+    }
+
+
+def _liger_grpo(loss_class, beta, compiled=True):
     # The reference model's log-probs are given precomputed, as to tigon.
-    loss_fn = loss_class(beta=beta, use_ref_model=beta != 0.0, loss_type="dapo")
+    loss_fn = loss_class(beta=beta, use_ref_model=beta != 0.0, loss_type="dapo", compiled=compiled)
     return lambda a: loss_fn(
         a["input"], a["weight"], a["completion_ids"], a["completion_mask"], a["advantages"], None,
         a["ref_per_token_logps"], a["old_per_token_logps"],
@@ -218,6 +229,10 @@ PROVIDERS: dict[str, Provider] = {
         Provider(
             "liger", _liger, distribution="liger-kernel", needs_gpu=True,
             grads_in_forward=frozenset({"cross_entropy", "fused_linear_cross_entropy", *LOSSES}),
+        ),
+        Provider(
+            "liger-eager", _liger_eager, distribution="liger-kernel", needs_gpu=True,
+            grads_in_forward=frozenset({"grpo", "grpo_ref"}),
         ),
         Provider("trl", _trl, distribution="trl"),
         Provider("cce", _cut_cross_entropy, distribution="cut-cross-entropy", needs_gpu=True),

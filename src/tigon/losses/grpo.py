@@ -141,9 +141,9 @@ def token_weights(mask, options: GRPOOptions, num_items_in_batch):
     return mask / mask.sum().clamp(min=1.0)
 
 
-def _masked_mean(values, mask):
-    """Mean over the active tokens, or over the completions for ``[k, 1]`` sequence-level values."""
-    if values.shape[-1] == 1:
+def _masked_mean(values, mask, per_completion=False):
+    """Mean over the active tokens, or over the completions for per-completion values."""
+    if per_completion:
         return values.mean()
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -155,14 +155,16 @@ def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -
     advantages = advantages.unsqueeze(-1)
     if options.beta != 0.0:
         metrics["kl"] = _masked_mean(k3_kl(logps, ref), mask)
+    per_completion = options.importance_sampling_level == "sequence"
     if options.loss_type in CLIPPED_TYPES:
         low = (ratio < 1.0 - options.epsilon_low) & (advantages < 0)
         high = (ratio > 1.0 + options.epsilon_high) & (advantages > 0)
-        metrics["clip_ratio_low"] = _masked_mean(low.double(), mask)
-        metrics["clip_ratio_high"] = _masked_mean(high.double(), mask)
-        metrics["clip_ratio_region"] = _masked_mean((low | high).double(), mask)
+        metrics["clip_ratio_low"] = _masked_mean(low.double(), mask, per_completion)
+        metrics["clip_ratio_high"] = _masked_mean(high.double(), mask, per_completion)
+        metrics["clip_ratio_region"] = _masked_mean((low | high).double(), mask, per_completion)
     elif options.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = _masked_mean(((ratio > options.epsilon_high) & (advantages > 0)).double(), mask)
+        clipped = (ratio > options.epsilon_high) & (advantages > 0)
+        metrics["cispo_clip_ratio"] = _masked_mean(clipped.double(), mask, per_completion)
     elif options.loss_type == "vespo":
         metrics["vespo_phi_seq_mean"] = ratio.mean()
     return {name: value.float() for name, value in metrics.items()}

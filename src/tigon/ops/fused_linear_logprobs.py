@@ -472,8 +472,9 @@ LogprobLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class FusedLinearLogprobLossFunction(torch.autograd.Function):
     """A loss of the per-token log-probs of whole sequences, with gradients computed in forward:
     per chunk of sequences, the log-probs, then ``dL/dlogp`` by autograd through the loss's
-    formula on ``[k, T]`` values, then ``dL/dlogp · (onehot − p)`` over the chunk's logits by the
-    recomputing kernel, then the chunk loop's matmuls (``6·N·H·V`` FLOPs in all). Backward scales
+    formula on ``[k, T]`` values, then ``onehot − p`` over the chunk's logits by the recomputing
+    kernel, each row scaled by its ``dL/dlogp`` in the chunk loop's matmuls (``6·N·H·V`` FLOPs in
+    all). Backward scales
     the saved gradients by ``grad_output`` in place (so it runs once per forward). Also returns
     the per-token log-probs and entropies (fp32 ``[S, T]``, not differentiable) for metrics."""
 
@@ -490,6 +491,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         log_prob, lse, entropy = (x2d.new_empty(n_rows, dtype=torch.float32) for _ in range(3))
         loss = torch.zeros((), dtype=torch.float64, device=input.device)
         transform = (ignore_index, temperature, None, 1.0)
+        ones = torch.ones(min(per_chunk, n_sequences) * seq_len, dtype=torch.float32, device=input.device)
 
         def loss_head(ranges, logits):
             ((start, end),) = ranges
@@ -503,12 +505,15 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
                 logps = log_prob[rows].view(-1, seq_len).double().requires_grad_(compute_grad)
                 share = loss_share(sequence_ids, logps)
             loss.add_(share.detach())
-            if compute_grad:
-                grad_logps = torch.autograd.grad(share, logps, allow_unused=True)[0]
-                grad_logps = torch.zeros_like(logps) if grad_logps is None else grad_logps
-                launch_logprobs_bwd(
-                    logits, target_rows[rows], lse[rows], None, grad_logps.float().view(-1), None, *transform,
-                )
+            if not compute_grad:
+                return None
+            grad_logps = torch.autograd.grad(share, logps, allow_unused=True)[0]
+            grad_logps = torch.zeros_like(logps) if grad_logps is None else grad_logps
+            # dlogits of the log-probs themselves (onehot − p), each row's dL/dlogp applied by the
+            # chunk loop in fp32 as row_scale: dL/dlogp is ~1/tokens, and folded into 16-bit
+            # dlogits it would flush p·dL/dlogp (~1e-8 for a flat softmax) to zero in fp16.
+            launch_logprobs_bwd(logits, target_rows[rows], lse[rows], None, ones[: end - start], None, *transform)
+            return grad_logps.float().view(-1)
 
         fused_linear_chunks(x2d, weight, bias, chunks, loss_head, grad_input, grad_weight, grad_bias)
         ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
