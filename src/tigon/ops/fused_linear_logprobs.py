@@ -34,6 +34,10 @@ provided that ``g`` is the same on every non-ignored row and ``entropy`` has no 
 backward recomputes as above: the result is exact either way, the guess only costs time. With a
 single chunk the option is ignored: the kept logits already make backward recompute nothing.
 
+:class:`FusedLinearLogprobLossFunction` serves losses whose per-token gradients are known once
+the log-probs are (the GRPO family, :mod:`tigon.losses.grpo`): the loss is computed inside, chunk
+by chunk of whole sequences, and so are its gradients, in ``6·N·H·V`` FLOPs.
+
 Shapes: ``input [N, H]`` (any row stride), ``weight [V, H]``, ``bias [V]`` or ``None``, one of
 fp32/bf16/fp16; ``target [N]`` int64/int32. Outputs are fp32 ``[N]``, ``is_top1`` bool ``[N]``.
 Extra memory: one chunk of logits (``chunk_memory_bytes``) and the gradients themselves.
@@ -58,7 +62,7 @@ from tigon.ops.cross_entropy import (
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
-from tigon.ops.fused_linear_preference import sequence_chunks, sequences_per_chunk_for
+from tigon.ops.fused_linear_preference import scaled_grads, sequence_chunks, sequences_per_chunk_for
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -524,15 +528,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob, grad_entropy):
-        grads = []
-        grad_output = grad_loss.reshape(1).float()
-        for grad, needed in zip(ctx.saved_tensors, ctx.needs):
-            if needed:
-                cross_entropy_bwd(grad.view(-1, grad.shape[-1]), grad_output)
-            grads.append(grad if needed else None)
-        grad_input, grad_weight, grad_bias = grads
-        if grad_input is not None:
-            grad_input = grad_input.view(ctx.input_shape)
+        grad_input, grad_weight, grad_bias = scaled_grads(ctx.saved_tensors, ctx.needs, grad_loss, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, None, None, None, None, None
 
 

@@ -155,16 +155,23 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logps, grad_ref_logps):
-        grads = []
-        grad_output = grad_loss.reshape(1).float()
-        for grad, needed in zip(ctx.saved_tensors, ctx.needs):
-            if needed:
-                cross_entropy_bwd(grad.view(-1, grad.shape[-1]), grad_output)
-            grads.append(grad if needed else None)
-        grad_input, grad_weight, grad_bias = grads
-        if grad_input is not None:
-            grad_input = grad_input.view(ctx.input_shape)
+        grad_input, grad_weight, grad_bias = scaled_grads(ctx.saved_tensors, ctx.needs, grad_loss, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None
+
+
+def scaled_grads(grads, needs, grad_loss, input_shape):
+    """``(grad_input, grad_weight, grad_bias)`` that a forward pass computed for ``grad_output = 1``,
+    multiplied in place by the scalar ``grad_loss`` (so backward runs once per forward), ``None``
+    where not ``needs``; ``grad_input`` viewed as ``input_shape``."""
+    grad_output = grad_loss.reshape(1).float()
+    scaled = []
+    for grad, needed in zip(grads, needs):
+        if needed:
+            cross_entropy_bwd(grad.view(-1, grad.shape[-1]), grad_output)
+        scaled.append(grad if needed else None)
+    if scaled[0] is not None:
+        scaled[0] = scaled[0].view(input_shape)
+    return tuple(scaled)
 
 
 def fused_linear_preference(input, weight, target, bias, ref_input, ref_weight, ref_bias, sequence_loss: SequenceLoss,
