@@ -64,12 +64,12 @@ def tiny_llama(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def common_arguments(output_dir) -> dict:
+def common_arguments(output_dir, bf16=False) -> dict:
     return dict(
         output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, logging_steps=1,
         optim="sgd", learning_rate=0.5,
-        # TRL's configs default to bf16 (autocast, also on CPU).
-        bf16=False, use_cpu=not torch.cuda.is_available(), seed=0, save_strategy="no", report_to=[], dataloader_num_workers=0,
+        # TRL's configs default to bf16 (autocast, also on CPU): fp32 unless a test asks for it.
+        bf16=bf16, use_cpu=not torch.cuda.is_available(), seed=0, save_strategy="no", report_to=[], dataloader_num_workers=0,
         disable_tqdm=True,
     )
 
@@ -78,26 +78,26 @@ def vowel_count(completions, **_) -> list[float]:
     return [float(sum(completion.count(vowel) for vowel in "aeiou")) for completion in completions]
 
 
-def sft_trainer(model, ref_model, output_dir):
+def sft_trainer(model, ref_model, output_dir, bf16=False):
     return trl.SFTTrainer(
-        model=model, args=trl.SFTConfig(max_length=32, **common_arguments(output_dir)),
+        model=model, args=trl.SFTConfig(max_length=32, **common_arguments(output_dir, bf16)),
         train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=TOKENIZER,
     )
 
 
-def dpo_trainer(model, ref_model, output_dir):
+def dpo_trainer(model, ref_model, output_dir, bf16=False):
     dataset = Dataset.from_dict({
         "prompt": PROMPTS,
         "chosen": [" brown fox", " on the mat", " three four", " eat grass"],
         "rejected": [" lazy dog", " in the rain", " nine ten", " at dawn"],
     })
     return trl.DPOTrainer(
-        model=model, ref_model=ref_model, args=trl.DPOConfig(max_length=32, **common_arguments(output_dir)),
+        model=model, ref_model=ref_model, args=trl.DPOConfig(max_length=32, **common_arguments(output_dir, bf16)),
         train_dataset=dataset, processing_class=TOKENIZER,
     )
 
 
-def kto_trainer(model, ref_model, output_dir):
+def kto_trainer(model, ref_model, output_dir, bf16=False):
     # Batches of 2: KTO's KL term pairs each prompt with another example's completion.
     dataset = Dataset.from_dict({
         "prompt": PROMPTS,
@@ -105,12 +105,12 @@ def kto_trainer(model, ref_model, output_dir):
         "label": [True, False, True, False],
     })
     return trl.KTOTrainer(
-        model=model, ref_model=ref_model, args=trl.KTOConfig(max_length=32, **common_arguments(output_dir)),
+        model=model, ref_model=ref_model, args=trl.KTOConfig(max_length=32, **common_arguments(output_dir, bf16)),
         train_dataset=dataset, processing_class=TOKENIZER,
     )
 
 
-def grpo_trainer(model, ref_model, output_dir):
+def grpo_trainer(model, ref_model, output_dir, bf16=False):
     config = trl.GRPOConfig(
         # Two prompts of two completions a step. Steps 1 and 3 sample new completions; step 2 trains
         # again on step 1's (num_iterations=2), so its loss holds the ratio of the updated policy's
@@ -119,7 +119,7 @@ def grpo_trainer(model, ref_model, output_dir):
         num_generations=2, max_completion_length=6, num_iterations=2,
         # The head divides its logits by the sampling temperature.
         temperature=0.7,
-        **{**common_arguments(output_dir), "per_device_train_batch_size": 4, "max_steps": 3},
+        **{**common_arguments(output_dir, bf16), "per_device_train_batch_size": 4, "max_steps": 3},
     )
     return trl.GRPOTrainer(
         model=model, reward_funcs=vowel_count, args=config,
@@ -151,7 +151,7 @@ def head_functions(model) -> set[str]:
     return names
 
 
-def train(name: str, tigon: bool, output_dir):
+def train(name: str, tigon: bool, output_dir, bf16: bool = False):
     """The per-step logs of one run, and the functions behind its model's head."""
     build, has_reference = TRAINERS[name]
     # The reference model differs from the policy, so that the first step's preference losses
@@ -162,7 +162,7 @@ def train(name: str, tigon: bool, output_dir):
             if built is not None:
                 apply_tigon(built)
         patch_trl()
-    trainer = build(model, ref_model, output_dir)
+    trainer = build(model, ref_model, output_dir, bf16)
     trainer.train()
     steps = [log for log in trainer.state.log_history if "loss" in log]
     return steps, head_functions(trainer.model)
@@ -199,3 +199,16 @@ def test_a_model_given_trl_head_follows_patch_and_unpatch():
     assert TIGON_HEAD in functions and TRL_HEAD not in functions
     unpatch_trl()
     assert TRL_HEAD in head_functions(model)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_bf16_as_close_to_fp32_as_trl(name, tmp_path):
+    # Under bf16 autocast both heads round differently; tigon's must stay as close to the fp32
+    # run as TRL's own does (the family tests' criterion: 2x its distance, or 2^-10).
+    exact, _ = train(name, tigon=False, output_dir=tmp_path / "fp32")
+    plain, _ = train(name, tigon=False, output_dir=tmp_path / "trl", bf16=True)
+    patched, _ = train(name, tigon=True, output_dir=tmp_path / "tigon", bf16=True)
+    for step, (exact_log, plain_log, patched_log) in enumerate(zip(exact, plain, patched), start=1):
+        trl_distance = abs(plain_log["loss"] - exact_log["loss"])
+        tigon_distance = abs(patched_log["loss"] - exact_log["loss"])
+        assert tigon_distance <= max(2 * trl_distance, 2**-10), f"step {step}: {tigon_distance} vs TRL's {trl_distance}"
