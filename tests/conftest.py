@@ -3,9 +3,34 @@
 import os
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture
+def hugging_face_modules_restored():
+    """Patching before a model is built changes Hugging Face's modeling modules for the whole
+    process (and patching a model changes its module's rotary function): a test using this
+    fixture leaves behind the modules as Hugging Face wrote them."""
+    import importlib
+
+    from tigon.transformers import FAMILIES
+
+    saved = []
+    for family in FAMILIES.values():
+        module = importlib.import_module(family.module)
+        causal_lm = getattr(module, family.causal_lm)
+        saved.append((module, dict(vars(module)), causal_lm, dict(vars(causal_lm))))
+    yield
+    for module, names, causal_lm, class_names in saved:
+        vars(module).update(names)
+        for method in ("forward", "post_init"):
+            if method in class_names:
+                setattr(causal_lm, method, class_names[method])
+            elif method in vars(causal_lm):
+                delattr(causal_lm, method)

@@ -3,9 +3,13 @@
 import runpy
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_loop.py"
 
 
+# The example patches its model with apply_tigon, which changes Llama's modeling module.
+@pytest.mark.usefixtures("hugging_face_modules_restored")
 def test_grpo_loop_raises_the_reward():
     main = runpy.run_path(str(EXAMPLE))["main"]
     rewards = main(["--steps", "30", "--seed", "0"])["reward"]

@@ -1,25 +1,8 @@
-import importlib
-
 import pytest
-
-from tigon.transformers import FAMILIES
 
 
 @pytest.fixture(autouse=True)
-def hugging_face_modules_restored():
-    """Patching before a model is built changes Hugging Face's modeling modules for the whole
-    process (and patching a model changes its module's rotary function): each test starts from,
-    and leaves behind, the modules as Hugging Face wrote them."""
-    saved = []
-    for family in FAMILIES.values():
-        module = importlib.import_module(family.module)
-        causal_lm = getattr(module, family.causal_lm)
-        saved.append((module, dict(vars(module)), causal_lm, dict(vars(causal_lm))))
+def hugging_face_modules_restored_after_each_test(hugging_face_modules_restored):
+    """Every test here starts from, and leaves behind, Hugging Face's modeling modules
+    (tests/conftest.py)."""
     yield
-    for module, names, causal_lm, class_names in saved:
-        vars(module).update(names)
-        for method in ("forward", "post_init"):
-            if method in class_names:
-                setattr(causal_lm, method, class_names[method])
-            elif method in vars(causal_lm):
-                delattr(causal_lm, method)
