@@ -147,12 +147,8 @@ def test_no_grad_computes_fields_only():
     assert_close(log_probs, truth, torch.bfloat16, "log_probs")
 
 
-@pytest.mark.parametrize("grad_in_forward", [False, True])
-def test_one_chunk_computes_no_gradient_in_forward(grad_in_forward):
-    # The kept logits of a single chunk serve any upstream gradient: grad_in_forward is ignored,
-    # so backward always runs (with backward_context), whatever the upstream gradient.
-    x, weight, target, b, _ = _problem(CASES[0], torch.float32)
-    entered = []
+def _entry_recorder(entered):
+    """A context manager class whose every entry appends to ``entered`` (a backward_context)."""
 
     class Recorder:
         def __enter__(self):
@@ -160,6 +156,17 @@ def test_one_chunk_computes_no_gradient_in_forward(grad_in_forward):
 
         def __exit__(self, *exc):
             return False
+
+    return Recorder
+
+
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_one_chunk_computes_no_gradient_in_forward(grad_in_forward):
+    # The kept logits of a single chunk serve any upstream gradient: grad_in_forward is ignored,
+    # so backward always runs (with backward_context), whatever the upstream gradient.
+    x, weight, target, b, _ = _problem(CASES[0], torch.float32)
+    entered = []
+    Recorder = _entry_recorder(entered)
 
     log_probs, *_ = tf.fused_linear_logprobs(
         x, weight, target, b, chunk_memory_bytes=10**9, grad_in_forward=grad_in_forward, backward_context=Recorder,
@@ -176,13 +183,7 @@ def test_one_chunk_computes_no_gradient_in_forward(grad_in_forward):
 def test_backward_context_is_entered_by_a_recomputing_backward():
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     entered = []
-
-    class Recorder:
-        def __enter__(self):
-            entered.append(True)
-
-        def __exit__(self, *exc):
-            return False
+    Recorder = _entry_recorder(entered)
 
     for upstream, expected in (("uniform", 0), ("per_token", 1)):
         entered.clear()
