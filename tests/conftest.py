@@ -24,13 +24,13 @@ def hugging_face_modules_restored():
     saved = []
     for family in FAMILIES.values():
         module = importlib.import_module(family.module)
-        causal_lm = getattr(module, family.causal_lm)
-        saved.append((module, dict(vars(module)), causal_lm, dict(vars(causal_lm))))
+        head = getattr(module, family.head) if family.head else None
+        saved.append((module, dict(vars(module)), head, dict(vars(head)) if head else {}))
     yield
-    for module, names, causal_lm, class_names in saved:
+    for module, names, head, class_names in saved:
         vars(module).update(names)
-        for method in ("forward", "post_init"):
+        for method in ("forward", "post_init") if head else ():
             if method in class_names:
-                setattr(causal_lm, method, class_names[method])
-            elif method in vars(causal_lm):
-                delattr(causal_lm, method)
+                setattr(head, method, class_names[method])
+            elif method in vars(head):
+                delattr(head, method)

@@ -5,7 +5,7 @@ import importlib
 import pytest
 import torch
 
-from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers
+from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
 from tiny_models import replay, tiny_model, train
 from utils import relative_error
 
@@ -22,15 +22,19 @@ LATER_LOSSES = 1e-3
 
 
 def assert_uses_tigon(model, model_type):
-    family = FAMILIES[model_type]
-    module = importlib.import_module(family.module)
-    for class_name, mixin in ((family.rms_norm, layers.TigonRMSNorm), (family.mlp, layers.TigonMLP)):
-        if class_name is None:
-            continue
-        found = [m for m in model.modules() if class_name in type(m).__name__]
-        assert found and all(isinstance(m, mixin) for m in found), f"{class_name} not patched"
-    assert getattr(module, family.rope) is layers.apply_rotary_pos_emb
-    assert hasattr(model.forward, "tigon_wraps")
+    """Every layer that the family's row (and its sub-models' rows) names is tigon's, at least one
+    layer is, each rotary function is tigon's drop-in, and the forward computes tigon's loss."""
+    for family in patching.families_in(model, FAMILIES[model_type]):
+        module = importlib.import_module(family.module)
+        for row in (*family.norms, *family.mlps):
+            original = patching._lookup(module, row.name, "", "")
+            original = getattr(original, "tigon_replaces", original)
+            assert not any(type(layer) is original for layer in model.modules()), f"{row.name} not patched"
+        for row in family.ropes:
+            assert getattr(module, row.name) is layers.ROPE_FORMS[row.form], f"{row.name} not patched"
+    assert any(hasattr(type(layer), "tigon_replaces") for layer in model.modules()), "no layer patched"
+    if FAMILIES[model_type].head is not None:
+        assert hasattr(model.forward, "tigon_wraps")
 
 
 # bf16 against fp32: Hugging Face's own bf16 model is the yardstick. Both replay the fp32 run's

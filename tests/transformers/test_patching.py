@@ -11,6 +11,7 @@ import transformers
 from tigon.transformers import (
     FAMILIES,
     AutoTigonForCausalLM,
+    Norm,
     apply_tigon,
     apply_tigon_to_gemma,
     apply_tigon_to_llama,
@@ -132,9 +133,9 @@ def test_unsupported_model_type_lists_the_supported():
         apply_tigon(transformers.GPT2LMHeadModel(config))
 
 
-def test_flag_of_another_family_is_refused():
-    with pytest.raises(TypeError, match="'gemma' models take .*geglu.*; got swiglu"):
-        apply_tigon(tiny_model("gemma"), swiglu=False)
+def test_unknown_flag_is_refused():
+    with pytest.raises(TypeError, match="the flags are rope, rms_norm, .*; got sdpa"):
+        apply_tigon(tiny_model("gemma"), sdpa=False)
 
 
 def test_model_of_another_family_is_refused():
@@ -148,15 +149,19 @@ def test_both_losses_are_refused():
 
 
 def test_activation_the_kernel_does_not_compute_is_refused():
-    with pytest.raises(ValueError, match="config.hidden_act is 'gelu': patch with swiglu=False"):
-        apply_tigon(tiny_model("llama", hidden_act="gelu"))
+    refused = "LlamaMLP uses GELUActivation: patch with swiglu=False"
+    model = tiny_model("llama", hidden_act="gelu")
+    with pytest.raises(ValueError, match=refused):
+        apply_tigon(model)
+    # Refused as a whole: no layer was patched.
+    assert not any(hasattr(type(module), "tigon_replaces") for module in model.modules())
     apply_tigon_to_llama()
-    with pytest.raises(ValueError, match="config.hidden_act is 'gelu': patch with swiglu=False"):
+    with pytest.raises(ValueError, match=refused):
         transformers.LlamaForCausalLM(tiny_config("llama", hidden_act="gelu"))
 
 
 def test_renamed_class_is_named_in_the_error():
-    renamed = dataclasses.replace(FAMILIES["llama"], rms_norm="LlamaRMSNormV2")
-    flags = dict(rope=True, rms_norm=True, gated=True, cross_entropy=False, fused_linear_cross_entropy=True)
-    with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(RMSNorm class\\).*Pass rms_norm=False"):
-        patching.apply_family(renamed, **flags)
+    renamed = dataclasses.replace(FAMILIES["llama"], norms=(Norm("LlamaRMSNormV2"),))
+    flags = dict.fromkeys(patching.LAYER_FLAGS, True)
+    with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(norm class\\).*Pass rms_norm=False"):
+        patching.apply_family(renamed, cross_entropy=False, fused_linear_cross_entropy=True, **flags)

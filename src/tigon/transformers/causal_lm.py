@@ -1,4 +1,5 @@
-"""One loss path for every causal LM: the original forward, then tigon's loss.
+"""One loss path for every causal LM (and vision-language model): the original forward, then
+tigon's loss.
 
 In training with ``labels``, the wrapped forward runs the model's own forward without labels and
 asks the output embeddings (``lm_head``) for the loss instead of the logits: a pre-hook on
@@ -24,8 +25,9 @@ those hidden states and ``lm_head``'s weight by tigon's fused linear cross entro
   when given); positions equal to ``ignore_index`` (default -100) count for nothing;
 - reduction: the mean over counted positions, or their sum divided by ``num_items_in_batch``
   when given (the Trainer's gradient-accumulation normalisation);
-- the family's logit transform: Gemma 2/3's ``final_logit_softcapping`` becomes the kernel's
-  ``softcap``; Granite's ``logits_scaling`` divides the hidden states instead of the logits;
+- the family's logit transform, read from the (text) config: Gemma's ``final_logit_softcapping``
+  becomes the kernel's ``softcap``; Granite's ``logits_scaling`` divides, and Falcon-H1's and
+  MuseGlimmer's multipliers multiply, the hidden states instead of the logits;
 - under autocast, the fused loss runs in the autocast dtype, as ``lm_head`` would have;
 - MoE models: ``router_aux_loss_coef · aux_loss`` is added, as their forward does with labels.
 
@@ -56,7 +58,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     )
     if "labels" not in signature.parameters or extra_kwargs is None:
         raise TypeError(
-            f"tigon: {family.causal_lm}.forward{signature} takes no `labels` or no **kwargs; "
+            f"tigon: {family.head}.forward{signature} takes no `labels` or no **kwargs; "
             "this transformers version is not supported by tigon's loss patch: pass "
             "fused_linear_cross_entropy=False, cross_entropy=False"
         )
@@ -95,7 +97,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
                 head.tigon_loss_request = None
             if len(request["losses"]) != 1:
                 raise RuntimeError(
-                    f"tigon: {family.causal_lm}.forward called its output embeddings {len(request['losses'])} "
+                    f"tigon: {family.head}.forward called its output embeddings {len(request['losses'])} "
                     "times, expected once; pass fused_linear_cross_entropy=False"
                 )
             loss_value = request["losses"][0]
@@ -111,7 +113,8 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
             loss_value = loss_value / num_items_in_batch
         aux_loss = getattr(output, "aux_loss", None)
         if aux_loss is not None and family.aux_loss_coef is not None:
-            loss_value = loss_value + getattr(self, family.aux_loss_coef) * aux_loss.to(loss_value.device)
+            coefficient = getattr(self.config.get_text_config(), family.aux_loss_coef)
+            loss_value = loss_value + coefficient * aux_loss.to(loss_value.device)
 
         fields = dict(output, loss=loss_value)
         if loss == "fused_linear_cross_entropy":
@@ -123,25 +126,11 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     return tigon_forward
 
 
-def hook_head_loss_after_init(post_init, family: Family):
-    """``post_init`` (which every Hugging Face model calls at the end of ``__init__``) followed by
-    :func:`hook_head_loss`, so that models built after a patch have the hook from the start."""
-    post_init = getattr(post_init, "tigon_wraps", post_init)
-
-    @functools.wraps(post_init)
-    def post_init_then_hook_head_loss(self):
-        post_init(self)
-        hook_head_loss(output_embeddings(self, family))
-
-    post_init_then_hook_head_loss.tigon_wraps = post_init
-    return post_init_then_hook_head_loss
-
-
 def output_embeddings(model, family: Family):
     """``model``'s ``lm_head``, checked to be a plain linear layer whose weight gives the logits."""
     head = model.get_output_embeddings()
     if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise RuntimeError(f"tigon: {family.causal_lm} has no output embeddings with a weight to fuse the loss with")
+        raise RuntimeError(f"tigon: {family.head} has no output embeddings with a weight to fuse the loss with")
     if hasattr(head, "base_layer"):
         # A PEFT adapter on lm_head adds a term the fused loss would not see.
         raise RuntimeError(
@@ -183,9 +172,12 @@ def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_ind
         dtype = torch.get_autocast_dtype(device_type)
         hidden_states, weight = hidden_states.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
+    config = config.get_text_config()
+    # logits / s = (h / s) · Wᵀ: scaling the hidden states costs [N, H], not [N, V].
     if family.logit_divisor is not None:
-        # logits / s = (h / s) · Wᵀ: dividing the hidden states costs [N, H], not [N, V].
         hidden_states = hidden_states / getattr(config, family.logit_divisor)
+    if family.logit_multiplier is not None:
+        hidden_states = hidden_states * getattr(config, family.logit_multiplier)
     softcap = getattr(config, family.logit_softcap) if family.logit_softcap is not None else None
     return F.fused_linear_cross_entropy(
         hidden_states, weight, targets.to(hidden_states.device), bias,

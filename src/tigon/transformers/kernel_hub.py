@@ -41,7 +41,7 @@ from transformers import KernelConfig
 import tigon
 from tigon import functional as F
 from tigon.transformers import layers
-from tigon.transformers.families import FAMILIES, Family
+from tigon.transformers.families import FAMILIES, Norm, Rope
 
 # transformers' name for a layer -> the class serving it in the exported repository's `layers`.
 HUB_LAYERS = {"RMSNorm": "RMSNorm", "rotary_pos_emb": "ApplyRotaryPosEmb"}
@@ -51,25 +51,31 @@ HUB_LAYERS = {"RMSNorm": "RMSNorm", "rotary_pos_emb": "ApplyRotaryPosEmb"}
 BACKENDS = ("cuda", "rocm", "cpu")
 KERNEL_NAME = "tigon"
 
-_FAMILY_OF_CLASS: dict[type, Family] = {}
+# The rotary forms whose drop-in has the hub's ``rotary_pos_emb`` signature (q, k, cos, sin, unsqueeze_dim).
+HUB_ROPE_FORMS = ("rotate_half", "half_table", "glm", "glm4v")
+_ROW_OF_CLASS: dict[type, Norm | Rope | None] = {}
 
 
-def family_of(module: nn.Module) -> Family | None:
-    """The row of ``FAMILIES`` whose RMSNorm class ``module`` is, or whose rotary function it is,
-    else ``None``. (``kernels`` makes each decorated function a one-off ``nn.Module`` class and
-    puts an instance of it in the function's place in its modeling module.) Found once per class;
-    a miss is looked up again, as apply_tigon may have put its own function in that place."""
+def hub_row(module: nn.Module) -> Norm | Rope | None:
+    """The RMSNorm sub-row of ``FAMILIES`` naming ``module``'s class, or the rotary sub-row naming
+    the function ``module`` is, else ``None``. (``kernels`` makes each decorated function a
+    one-off ``nn.Module`` class and puts an instance of it in the function's place in its modeling
+    module.) Found once per class; a miss is looked up again, as apply_tigon may have put its own
+    function in that place."""
     cls = type(module)
-    if cls not in _FAMILY_OF_CLASS:
+    if _ROW_OF_CLASS.get(cls) is None:
         original = getattr(cls, "tigon_replaces", cls)  # a class apply_tigon patched
-        for family in FAMILIES.values():
-            modeling = sys.modules.get(family.module)
-            if (original.__module__, original.__name__) == (family.module, family.rms_norm) or (
-                family.rope is not None and getattr(modeling, family.rope, None) is module
-            ):
-                _FAMILY_OF_CLASS[cls] = family
-                break
-    return _FAMILY_OF_CLASS.get(cls)
+        _ROW_OF_CLASS[cls] = next(
+            (
+                row for family in FAMILIES.values() for row in (*family.norms, *family.ropes)
+                if (isinstance(row, Norm) and row.kind == "rms"
+                    and (original.__module__, original.__name__) == (family.module, row.name))
+                or (isinstance(row, Rope) and row.form in HUB_ROPE_FORMS
+                    and getattr(sys.modules.get(family.module), row.name, None) is module)
+            ),
+            None,
+        )
+    return _ROW_OF_CLASS[cls]
 
 
 # ``kernels`` accepts a layer class only without ``__init__`` or attributes beyond these two flags,
@@ -82,26 +88,27 @@ class RMSNorm(nn.Module):
     has_backward = True
 
     def forward(self, hidden_states):
-        family = family_of(self)
-        if family is None:
+        row = hub_row(self)
+        if not isinstance(row, Norm):
             return type(self).forward(self, hidden_states)
-        eps = getattr(self, family.rms_norm_eps)
-        return F.rms_norm(hidden_states, self.weight, eps, family.rms_norm_offset, family.rms_norm_casting)
+        weight = getattr(self, "weight", None)
+        return F.rms_norm(hidden_states, weight, getattr(self, row.eps), row.offset, row.casting)
 
 
 class ApplyRotaryPosEmb(nn.Module):
-    """``forward`` of the functions registered as ``"rotary_pos_emb"``:
-    :func:`tigon.transformers.layers.apply_rotary_pos_emb`. The function's module is shared by
-    every model of its family in the process, so kernelizing one model swaps it for all of them,
-    as ``apply_tigon``'s rotary patch does."""
+    """``forward`` of the functions registered as ``"rotary_pos_emb"``: the drop-in of
+    :data:`tigon.transformers.layers.ROPE_FORMS` for the function's row. The function's module is
+    shared by every model of its family in the process, so kernelizing one model swaps it for all
+    of them, as ``apply_tigon``'s rotary patch does."""
 
     can_torch_compile = True
     has_backward = True
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        if family_of(self) is None:
+        row = hub_row(self)
+        if not isinstance(row, Rope):
             return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
-        return layers.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return layers.ROPE_FORMS[row.form](q, k, cos, sin, unsqueeze_dim)
 
 
 class TigonKernelConfig(KernelConfig):
@@ -135,12 +142,12 @@ class TigonKernelConfig(KernelConfig):
         self.kernel_mapping = self._local_mapping(name for name in HUB_LAYERS if name in registered)
         others = {
             type(module).__name__ for module in model.modules()
-            if getattr(type(module), "kernel_layer_name", None) in HUB_LAYERS and family_of(module) is None
+            if getattr(type(module), "kernel_layer_name", None) in HUB_LAYERS and hub_row(module) is None
         }
         others |= {
             f"{type(module).__name__}.{name}" for module in model.modules()
             for name, function in getattr(module, "_kernel_funcs", {}).items()
-            if function.kernel_layer_name in HUB_LAYERS and family_of(function) is None
+            if function.kernel_layer_name in HUB_LAYERS and hub_row(function) is None
         }
         if others:
             warnings.warn(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from transformers.activations import ACT2FN
+
 from tigon import functional as F
 from tigon.nn import linear_weight_usable
 
@@ -19,11 +21,15 @@ GATE_ACTIVATIONS = {
     "swiglu": ("silu", "swish"),
     # The tanh approximation of GELU, whichever formula Hugging Face spells it with.
     "geglu": ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh"),
+    "relu2": ("relu2",),
 }
+# Where Hugging Face's MLP classes keep the activation module they were built with.
+ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act")
 
 
 class TigonRMSNorm:
-    """``forward`` of a Hugging Face RMSNorm (``weight [H]``) by :func:`tigon.functional.rms_norm`.
+    """``forward`` of a Hugging Face RMSNorm (``weight [H]``, or none) by
+    :func:`tigon.functional.rms_norm`.
 
     ``eps_attribute`` names where the layer keeps its epsilon (``variance_epsilon`` in Llama's
     family, ``eps`` in Gemma's); ``offset = 1`` is Gemma's ``(1 + weight)``; ``casting_mode`` is
@@ -36,24 +42,55 @@ class TigonRMSNorm:
 
     def forward(self, hidden_states):
         eps = getattr(self, self.eps_attribute)
-        return F.rms_norm(hidden_states, self.weight, eps, self.offset, self.casting_mode)
+        return F.rms_norm(hidden_states, getattr(self, "weight", None), eps, self.offset, self.casting_mode)
+
+
+class TigonGatedRMSNorm(TigonRMSNorm):
+    """``forward(hidden_states, gate)`` of the gated RMSNorms of linear-attention and Mamba mixers
+    (Qwen3-Next, Qwen3.5, Falcon-H1) by :func:`tigon.functional.rms_norm_gated`: ``norm(x) · w ·
+    silu(gate)``, over ``n_groups`` slices of the features where the layer has them, the gate
+    before the norm where its ``norm_before_gate`` is false. Without a gate it is an RMSNorm."""
+
+    def forward(self, hidden_states, gate=None):
+        eps = getattr(self, self.eps_attribute)
+        if gate is None:
+            return F.rms_norm(hidden_states, self.weight, eps)
+        group_size = hidden_states.shape[-1] // getattr(self, "n_groups", 1)
+        return F.rms_norm_gated(
+            hidden_states, gate, self.weight, eps, group_size=group_size,
+            norm_before_gate=getattr(self, "norm_before_gate", True),
+        )
+
+
+class TigonLayerNorm:
+    """``forward`` of a LayerNorm over the last dimension (``torch.nn.LayerNorm``, Nemotron's
+    ``(1 + weight)`` LayerNorm1P) by :func:`tigon.functional.layer_norm`. A LayerNorm over more
+    than the last dimension keeps its own forward."""
+
+    eps_attribute = "eps"
+    offset = 0.0
+
+    def forward(self, hidden_states):
+        if len(self.normalized_shape) != 1:
+            return super().forward(hidden_states)
+        eps = getattr(self, self.eps_attribute)
+        return F.layer_norm(hidden_states, self.weight, self.bias, eps, offset=self.offset)
 
 
 class TigonMLP:
-    """Shared by the two MLP layouts: which gate kernel, and the check that it matches the model's
-    activation. ``gate`` is ``"swiglu"`` or ``"geglu"``; ``activation_attribute`` names the config
-    field holding the activation (``hidden_act``, or ``hidden_activation`` for Gemma 2 and 3)."""
+    """Shared by the MLP layouts: which kernel (``gate``: ``"swiglu"``, ``"geglu"``, ``"relu2"``;
+    also the name of its :mod:`tigon.functional` function), and the check, once the layer is
+    built, that it matches the activation module the layer was given."""
 
-    gate = "swiglu"  # also the name of the tigon.functional kernel
-    activation_attribute = "hidden_act"
+    gate = "swiglu"
     # Hugging Face's gradient_checkpointing_enable() sets these on every module that has the
     # attribute, as on its decoder layers (the MLP's layer among them).
     gradient_checkpointing = False
     _gradient_checkpointing_func = None
 
-    def __init__(self, config, *args, **kwargs):
-        check_activation(type(self), config)
-        super().__init__(config, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_activation(self)
 
     def _gated(self, gate, up):
         # The projections' outputs feed nothing but the gate, so its backward may overwrite them.
@@ -90,12 +127,36 @@ class TigonGatedMLP(TigonMLP):
 
 
 class TigonFusedGateUpMLP(TigonMLP):
-    """The same with one ``gate_up_proj`` producing ``[gate | up]`` (Phi-3); the kernel reads both
-    halves in place through their row stride."""
+    """The same with one ``gate_up_proj`` producing ``[gate | up]`` (Phi-3, GLM-4); the kernel
+    reads both halves in place through their row stride."""
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self._gated(gate, up))
+
+
+class TigonUngatedMLP(TigonMLP):
+    """``down_proj(act(up_proj(x)))`` with the activation by tigon (Nemotron's squared ReLU)."""
+
+    def forward(self, x):
+        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=True))
+
+
+class TigonClampedSwiGLUExperts(TigonMLP):
+    """GPT-OSS's experts with their gate, ``(clamp(up) + 1) · clamp(gate) · sigmoid(alpha ·
+    clamp(gate))`` over interleaved ``[gate, up]`` columns, by
+    :func:`tigon.functional.swiglu_clamped`; the expert matmuls keep their own forward."""
+
+    def _apply_gate(self, gate_up):
+        return F.swiglu_clamped(gate_up, alpha=self.alpha, limit=self.limit)
+
+
+MLP_LAYOUTS = {
+    "separate": TigonGatedMLP,
+    "gate_up": TigonFusedGateUpMLP,
+    "up_down": TigonUngatedMLP,
+    "experts": TigonClampedSwiGLUExperts,
+}
 
 
 def follow_gradient_checkpointing(model) -> None:
@@ -115,30 +176,124 @@ def follow_gradient_checkpointing(model) -> None:
             module.gradient_checkpointing, module._gradient_checkpointing_func = True, checkpoint
 
 
-def check_activation(mlp_class, config) -> None:
-    """Raise unless ``config``'s MLP activation is the one ``mlp_class``'s gate kernel computes."""
-    activation = getattr(config, mlp_class.activation_attribute, None)
-    expected = GATE_ACTIVATIONS[mlp_class.gate]
-    if activation not in expected:
+def check_activation(layer, tigon_class=None) -> None:
+    """Raise unless the activation module ``layer`` was built with (``act_fn``, ``activation_fn``
+    or ``act``) is one that the kernel of ``tigon_class`` (default: ``layer``'s class) computes.
+    GPT-OSS's experts have their activation built in."""
+    tigon_class = tigon_class or type(layer)
+    if tigon_class.gate not in GATE_ACTIVATIONS:
+        return
+    activation = next((getattr(layer, name) for name in ACTIVATION_ATTRIBUTES if hasattr(layer, name)), None)
+    names = GATE_ACTIVATIONS[tigon_class.gate]
+    if not isinstance(activation, tuple(type(ACT2FN[name]) for name in names)):
         raise ValueError(
-            f"tigon's {mlp_class.gate} kernel computes {' / '.join(expected)}, but this model's "
-            f"config.{mlp_class.activation_attribute} is {activation!r}: patch with {mlp_class.gate}=False"
+            f"tigon's {tigon_class.gate} kernel computes {' / '.join(names)}, but this model's "
+            f"{tigon_class.tigon_replaces.__name__} uses {type(activation).__name__}: "
+            f"patch with {tigon_class.gate}=False"
         )
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """Drop-in for the ``apply_rotary_pos_emb`` of Hugging Face's modeling modules.
+# The rotary functions of Hugging Face's modeling modules, one drop-in per signature and pair
+# layout. cos and sin come from the model's rotary embedding, [B, T, R] unless said otherwise; the
+# first R features of each head rotate (R < D is partial rotary), the rest pass through.
 
-    Args:
-        q: ``[B, Hq, T, D]``, k: ``[B, Hk, T, D]`` (``unsqueeze_dim=1``), or ``[B, T, H, D]``
-            (``unsqueeze_dim=2``); any strides.
-        cos, sin: ``[B, T, R]`` from the model's rotary embedding. ``R < D`` is partial rotary
-            (Phi-3): the first ``R`` features of each head rotate, the rest pass through.
-    Returns: ``(q_rot, k_rot)`` shaped as ``q`` and ``k``.
-    """
-    if unsqueeze_dim == 1:
-        return F.rope(q, k, cos, sin, rotary_dim=cos.shape[-1])
+
+def _heads_first(unsqueeze_dim, *tensors):
+    """``[B, T, H, D]`` inputs (``unsqueeze_dim=2``) seen as ``[B, H, T, D]``, which tigon's RoPE
+    reads with any strides; 1 (and 0, which broadcasts ``[T, R]`` tables) leave them as they are."""
+    if unsqueeze_dim in (0, 1):
+        return tensors
     if unsqueeze_dim == 2:
-        q_rot, k_rot = F.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, rotary_dim=cos.shape[-1])
-        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
-    raise ValueError(f"unsqueeze_dim must be 1 ([B, H, T, D] inputs) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}")
+        return tuple(None if t is None else t.transpose(1, 2) for t in tensors)
+    raise ValueError(f"unsqueeze_dim must be 0, 1 ([B, H, T, D] inputs) or 2 ([B, T, H, D]), got {unsqueeze_dim!r}")
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """Llama's ``apply_rotary_pos_emb``: ``x · cos + rotate_half(x) · sin`` with ``rotate_half([a,
+    b]) = [-b, a]``. q: ``[B, Hq, T, D]``, k: ``[B, Hk, T, D]`` (``unsqueeze_dim=1``), or ``[B, T,
+    H, D]`` (``unsqueeze_dim=2``); ``[T, R]`` tables with ``unsqueeze_dim=0`` (Pixtral)."""
+    q_rot, k_rot = F.rope(*_heads_first(unsqueeze_dim, q, k), cos, sin, rotary_dim=cos.shape[-1])
+    return _heads_first(unsqueeze_dim, q_rot, k_rot)
+
+
+def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
+    """Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)``: one tensor at a time."""
+    (x,) = _heads_first(unsqueeze_dim, x)
+    x_rot, _ = F.rope(x, None, cos, sin, rotary_dim=cos.shape[-1])
+    return _heads_first(unsqueeze_dim, x_rot)[0]
+
+
+def apply_rotary_pos_emb_half_table(q, k, cos, sin, unsqueeze_dim=1):
+    """GPT-OSS's: the two halves of each head rotate by ``[B, T, D/2]`` tables (one angle per pair)."""
+    q_rot, k_rot = F.rope(*_heads_first(unsqueeze_dim, q, k), cos, sin, rotary_dim=2 * cos.shape[-1])
+    return _heads_first(unsqueeze_dim, q_rot, k_rot)
+
+
+def apply_rotary_emb_complex_bhtd(xq, xk, freqs_cis):
+    """DeepSeek V2's ``apply_rotary_emb``: interleaved pairs ``(x[2i], x[2i+1])`` as complex
+    numbers times ``freqs_cis [B, T, D/2]``; xq, xk: ``[B, H, T, D]``."""
+    return F.rope(xq, xk, freqs_cis.real, freqs_cis.imag, rotary_dim=xq.shape[-1], interleaved=True)
+
+
+def apply_rotary_emb_complex_bthd(xq, xk, freqs_cis):
+    """Llama 4's ``apply_rotary_emb``: the same over ``[B, T, H, D]`` inputs."""
+    q_rot, k_rot = F.rope(
+        xq.transpose(1, 2), xk.transpose(1, 2), freqs_cis.real, freqs_cis.imag,
+        rotary_dim=xq.shape[-1], interleaved=True,
+    )
+    return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+
+
+def apply_rotary_pos_emb_deepseek_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """DeepSeek V3's ``apply_rotary_pos_emb_interleave``: interleaved pairs in, rotated by the first
+    half of the table, written out de-interleaved (``[evens | odds]``)."""
+    half = cos.shape[-1] // 2
+    q_rot, k_rot = F.rope(
+        *_heads_first(unsqueeze_dim, q, k), cos[..., :half], sin[..., :half], rotary_dim=cos.shape[-1],
+        interleaved=True, deinterleave_output=True,
+    )
+    return _heads_first(unsqueeze_dim, q_rot, k_rot)
+
+
+def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-4's: interleaved pairs of the first ``R`` features, pair ``i`` rotated by entry ``i`` of
+    the table's first half."""
+    half = cos.shape[-1] // 2
+    q_rot, k_rot = F.rope(
+        *_heads_first(unsqueeze_dim, q, k), cos[..., :half], sin[..., :half], rotary_dim=cos.shape[-1],
+        interleaved=True,
+    )
+    return _heads_first(unsqueeze_dim, q_rot, k_rot)
+
+
+def apply_rotary_pos_emb_glm4v(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-4V's: interleaved pairs, the table given per feature (each angle repeated for the two
+    members of its pair, which read it at their even entry)."""
+    q_rot, k_rot = F.rope(
+        *_heads_first(unsqueeze_dim, q, k), cos[..., ::2], sin[..., ::2], rotary_dim=cos.shape[-1],
+        interleaved=True,
+    )
+    return _heads_first(unsqueeze_dim, q_rot, k_rot)
+
+
+def apply_rotary_pos_emb_deepseek_v4(x, cos, sin, unsqueeze_dim=1):
+    """DeepSeek V4's: the last ``2 · cos.shape[-1]`` features rotate in rotate-half layout, each
+    feature ``j`` by entry ``j // 2`` of the half-width tables; the leading ones pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    nope, rope = x[..., : x.shape[-1] - rotary_dim], x[..., x.shape[-1] - rotary_dim:]
+    (rope,) = _heads_first(unsqueeze_dim, rope)
+    rotated, _ = F.rope(rope, None, cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1))
+    return torch.cat([nope, _heads_first(unsqueeze_dim, rotated)[0]], dim=-1)
+
+
+ROPE_FORMS = {
+    "rotate_half": apply_rotary_pos_emb,
+    "single": apply_rotary_pos_emb_single,
+    "half_table": apply_rotary_pos_emb_half_table,
+    "complex_bhtd": apply_rotary_emb_complex_bhtd,
+    "complex_bthd": apply_rotary_emb_complex_bthd,
+    "deepseek_interleave": apply_rotary_pos_emb_deepseek_interleave,
+    "glm": apply_rotary_pos_emb_glm,
+    "glm4v": apply_rotary_pos_emb_glm4v,
+    "deepseek_v4": apply_rotary_pos_emb_deepseek_v4,
+}

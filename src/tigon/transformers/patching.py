@@ -3,20 +3,24 @@
 Two ways, one table:
 
 - **before a model is built** (``model=None``): the family's modeling module gets tigon's classes
-  in place of its RMSNorm and MLP classes, tigon's rotary function in place of its own, and its
-  causal LM class a wrapped ``forward`` (and ``post_init``, which registers the loss path's hook
-  on each new model's ``lm_head``); every model of the family built afterwards uses them.
-- **on a built model** (``model=...``): each RMSNorm and MLP instance of the model changes class
-  in place (``module.__class__``), keeping its parameters, device and dtype, and the model gets
-  the wrapped ``forward`` as an instance attribute. The attention layers call the rotary function
-  through their modeling module's global name, so this path patches that module-level function
-  as well: every model of the family in the process then uses tigon's RoPE (same math).
+  in place of its norm and MLP classes, tigon's rotary functions in place of its own, and its
+  head class a wrapped ``forward`` and ``post_init``, which patches each new model's layers that
+  no module-level name reaches (sub-models of other families, ``torch.nn.LayerNorm``) and
+  registers the loss path's hook on its ``lm_head``; every model of the family built afterwards
+  uses them.
+- **on a built model** (``model=...``): each norm and MLP instance of the model, and of its
+  sub-models of other families, changes class in place (``module.__class__``), keeping its
+  parameters, device and dtype, and the model gets the wrapped ``forward`` as an instance
+  attribute. The attention layers call the rotary function through their modeling module's
+  global name, so this path patches that module-level function as well: every model of the
+  family in the process then uses tigon's RoPE (same math).
 
 Patches accumulate and are idempotent; there is no unpatching.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import types
@@ -24,16 +28,13 @@ import types
 import transformers
 
 from tigon.transformers import layers
-from tigon.transformers.causal_lm import (
-    hook_head_loss,
-    hook_head_loss_after_init,
-    output_embeddings,
-    wrap_causal_lm_forward,
-)
-from tigon.transformers.families import FAMILIES, Family
+from tigon.transformers.causal_lm import hook_head_loss, output_embeddings, wrap_causal_lm_forward
+from tigon.transformers.families import FAMILIES, Family, Norm
 
-_MLP_MIXINS = {"separate": layers.TigonGatedMLP, "gate_up": layers.TigonFusedGateUpMLP}
 _DERIVED: dict[tuple[type, type], type] = {}
+_NORM_MIXINS = {"rms": layers.TigonRMSNorm, "rms_gated": layers.TigonGatedRMSNorm, "layer": layers.TigonLayerNorm}
+# The layer flags every patcher takes; a sub-row is applied when its flag is true.
+LAYER_FLAGS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu", "relu2")
 
 
 def tigon_class(original: type, mixin: type, **settings) -> type:
@@ -56,6 +57,10 @@ def _modeling_module(family: Family):
 
 
 def _lookup(module, name: str, what: str, flag: str):
+    if "." in name:  # a class of another library, e.g. torch.nn.LayerNorm
+        owner, _, attribute = name.rpartition(".")
+        module = importlib.import_module(owner)
+        name = attribute
     found = getattr(module, name, None)
     if found is None:
         raise AttributeError(
@@ -65,22 +70,31 @@ def _lookup(module, name: str, what: str, flag: str):
     return found
 
 
-def _class_patches(family: Family, module, rms_norm: bool, gated: bool):
-    """``(name in module, original class, tigon class)`` for each enabled class patch."""
-    wanted = []
-    if rms_norm and family.rms_norm is not None:
-        settings = dict(
-            eps_attribute=family.rms_norm_eps, offset=family.rms_norm_offset, casting_mode=family.rms_norm_casting
-        )
-        wanted.append((family.rms_norm, "RMSNorm class", "rms_norm", layers.TigonRMSNorm, settings))
-    if gated and family.mlp is not None:
-        settings = dict(gate=family.gate, activation_attribute=family.activation)
-        wanted.append((family.mlp, "MLP class", family.gate, _MLP_MIXINS[family.mlp_layout], settings))
+def _class_patches(family: Family, module, flags: dict[str, bool]):
+    """``(sub-row, original class, tigon class)`` for each enabled norm and MLP of ``family``."""
     patches = []
-    for name, what, flag, mixin, settings in wanted:
-        found = _lookup(module, name, what, flag)
+    for row in (*family.norms, *family.mlps):
+        if not flags[row.flag]:
+            continue
+        if isinstance(row, Norm):
+            mixin = _NORM_MIXINS[row.kind]
+            settings = dict(eps_attribute=row.eps, offset=row.offset, casting_mode=row.casting)
+        else:
+            mixin, settings = layers.MLP_LAYOUTS[row.layout], dict(gate=row.gate)
+        found = _lookup(module, row.name, f"{type(row).__name__.lower()} class", row.flag)
         original = getattr(found, "tigon_replaces", found)  # the module may hold tigon's class already
-        patches.append((name, original, tigon_class(original, mixin, **settings)))
+        patches.append((row, original, tigon_class(original, mixin, **settings)))
+    return patches
+
+
+def _rope_patches(family: Family, module, flags: dict[str, bool]):
+    """``(name in module, tigon's drop-in)`` for each rotary function of ``family``."""
+    if not flags["rope"]:
+        return []
+    patches = []
+    for row in family.ropes:
+        _lookup(module, row.name, "rotary function", "rope")
+        patches.append((row.name, layers.ROPE_FORMS[row.form]))
     return patches
 
 
@@ -91,12 +105,42 @@ def base_model(model):
     return model
 
 
-def apply_family(
-    family: Family, *, rope: bool, rms_norm: bool, gated: bool, cross_entropy: bool,
-    fused_linear_cross_entropy: bool, model=None,
-):
+def families_in(model, family: Family) -> list[Family]:
+    """``family`` and the rows of the sub-models ``model`` holds (a vision-language model's
+    language model and vision tower), found by their ``config.model_type``."""
+    found = {family.model_type: family}
+    for module in model.modules():
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        if isinstance(module, transformers.PreTrainedModel) and model_type in FAMILIES:
+            found.setdefault(model_type, FAMILIES[model_type])
+    return list(found.values())
+
+
+def patch_layers(model, family: Family, flags: dict[str, bool]) -> None:
+    """Patch in place the layers of ``model`` that ``family`` and its sub-models' rows name: each
+    norm and MLP instance changes class (``module.__class__``), keeping its parameters, device and
+    dtype; each rotary function is replaced in its modeling module."""
+    tigon_of = {}
+    rope_patches = []
+    for row_family in families_in(model, family):
+        module = _modeling_module(row_family)
+        tigon_of.update((original, tigon) for _, original, tigon in _class_patches(row_family, module, flags))
+        rope_patches += [(module, name, function) for name, function in _rope_patches(row_family, module, flags)]
+    changes = [(layer, tigon_of[type(layer)]) for layer in model.modules() if type(layer) in tigon_of]
+    # Every MLP is checked before any layer changes: a refused model is left as it was.
+    for layer, tigon in changes:
+        if issubclass(tigon, layers.TigonMLP):
+            layers.check_activation(layer, tigon)
+    for layer, tigon in changes:
+        layer.__class__ = tigon
+    for module, name, function in rope_patches:
+        setattr(module, name, function)
+    layers.follow_gradient_checkpointing(model)
+
+
+def apply_family(family: Family, *, cross_entropy: bool, fused_linear_cross_entropy: bool, model=None, **flags):
     """Patch ``family``'s modeling module (``model=None``) or ``model`` in place; see the module
-    docstring. Returns ``model``."""
+    docstring. ``flags`` are :data:`LAYER_FLAGS`. Returns ``model``."""
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError(
             "pass at most one of cross_entropy=True and fused_linear_cross_entropy=True: "
@@ -104,82 +148,88 @@ def apply_family(
         )
     loss = "fused_linear_cross_entropy" if fused_linear_cross_entropy else "cross_entropy" if cross_entropy else None
     module = _modeling_module(family)
-    class_patches = _class_patches(family, module, rms_norm, gated)
-    rope_function = _lookup(module, family.rope, "rotary function", "rope") if rope and family.rope else None
-    causal_lm = _lookup(module, family.causal_lm, "causal LM class", loss) if loss else None
+    class_patches = _class_patches(family, module, flags)
+    rope_patches = _rope_patches(family, module, flags)
+    head = _lookup(module, family.head, "head class", "fused_linear_cross_entropy") if family.head else None
 
     if model is not None:
         hf_model = base_model(model)
         model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
         if model_type != family.model_type:
             raise ValueError(f"tigon: model has model_type {model_type!r}, not {family.model_type!r}")
-        for _, original, tigon in class_patches:
-            if issubclass(tigon, layers.TigonMLP):
-                layers.check_activation(tigon, hf_model.config)
-            for layer in hf_model.modules():
-                if type(layer) is original:
-                    layer.__class__ = tigon
-        layers.follow_gradient_checkpointing(hf_model)
-    else:
-        for name, _, tigon in class_patches:
-            setattr(module, name, tigon)
-
-    if rope_function is not None:
-        setattr(module, family.rope, layers.apply_rotary_pos_emb)
-    if causal_lm is not None:
-        if model is None:
-            causal_lm.forward = wrap_causal_lm_forward(causal_lm.forward, family, loss)
-            if loss == "fused_linear_cross_entropy":
-                causal_lm.post_init = hook_head_loss_after_init(causal_lm.post_init, family)
-        elif isinstance(hf_model, causal_lm):
+        patch_layers(hf_model, family, flags)
+        if loss is not None and head is not None and isinstance(hf_model, head):
             forward = wrap_causal_lm_forward(type(hf_model).forward, family, loss)
             hf_model.forward = types.MethodType(forward, hf_model)
             if loss == "fused_linear_cross_entropy":
                 hook_head_loss(output_embeddings(hf_model, family))
+        return model
+
+    for row, _, tigon in class_patches:
+        if "." not in row.name:
+            setattr(module, row.name, tigon)
+    for name, function in rope_patches:
+        setattr(module, name, function)
+    if head is not None:
+        if loss is not None:
+            head.forward = wrap_causal_lm_forward(head.forward, family, loss)
+        # Sub-models of other families and layers of other libraries are patched once built.
+        head.post_init = patch_after_init(head.post_init, family, flags, loss)
     return model
 
 
+def patch_after_init(post_init, family: Family, flags: dict[str, bool], loss: str | None):
+    """``post_init`` (which every Hugging Face model calls at the end of ``__init__``) followed by
+    :func:`patch_layers` on the new model, and the fused loss's hook on its ``lm_head``."""
+    post_init = getattr(post_init, "tigon_wraps", post_init)
+
+    @functools.wraps(post_init)
+    def post_init_then_patch(self):
+        post_init(self)
+        patch_layers(self, family, flags)
+        if loss == "fused_linear_cross_entropy":
+            hook_head_loss(output_embeddings(self, family))
+
+    post_init_then_patch.tigon_wraps = post_init
+    return post_init_then_patch
+
+
 def family_patcher(model_type: str):
-    """``apply_tigon_to_<family>(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-    fused_linear_cross_entropy=True, layer_norm=True, model=None)`` for one row of the table
-    (``geglu=`` in place of ``swiglu=`` where the MLP is GeGLU)."""
+    """``apply_tigon_to_<family>(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
+    geglu=True, relu2=True, cross_entropy=False, fused_linear_cross_entropy=True, model=None)``
+    for one row of the table."""
     family = FAMILIES[model_type]
+    defaults = {**dict.fromkeys(LAYER_FLAGS, True), "cross_entropy": False, "fused_linear_cross_entropy": True}
     signature = inspect.Signature(
         [
             inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-            for name, default in (
-                ("rope", True), ("rms_norm", True), (family.gate, True), ("cross_entropy", False),
-                ("fused_linear_cross_entropy", True), ("layer_norm", True), ("model", None),
-            )
+            for name, default in (*defaults.items(), ("model", None))
         ]
     )
 
     def patch(*args, **kwargs):
         flags = signature.bind(*args, **kwargs)
         flags.apply_defaults()
-        options = dict(flags.arguments)
-        options["gated"] = options.pop(family.gate)
-        # No family of the table has a LayerNorm: the flag keeps every patcher's flags the same.
-        options.pop("layer_norm")
-        return apply_family(family, **options)
+        return apply_family(family, **flags.arguments)
 
+    what = ", ".join(row.name.rpartition(".")[2] for row in family.sub_rows()) or "no layers of its own"
     patch.__signature__ = signature
     patch.__name__ = patch.__qualname__ = f"apply_tigon_to_{model_type}"
     patch.__module__ = "tigon.transformers"
-    patch.__doc__ = f"""Use tigon's kernels in {family.causal_lm} and its layers.
+    patch.__doc__ = f"""Use tigon's kernels in {family.head or family.module} and its layers ({what}).
 
     Called before the model is built, patches {family.module} so that models built afterwards use
     tigon; given ``model=`` (also on GPU, in bf16, or wrapped by PEFT), patches that model in place,
-    keeping its weights, and returns it.
+    keeping its weights, and returns it. Sub-models of other families (a vision-language model's
+    language model and vision tower) are patched by their own rows.
 
     Args:
-        rope: tigon's rotary embedding kernel.
-        rms_norm: tigon's RMSNorm in place of {family.rms_norm}.
-        {family.gate}: the fused {family.gate} gate in {family.mlp or "(no dense MLP in this family)"}.
+        rope: tigon's rotary embedding kernel in place of the rotary functions.
+        rms_norm, layer_norm: tigon's norms in place of the RMSNorm and LayerNorm classes.
+        swiglu, geglu, relu2: the MLP activations, fused, where the MLP uses that activation.
         cross_entropy: in training with labels, tigon's cross entropy on the logits.
         fused_linear_cross_entropy: in training with labels, the loss straight from the hidden
             states and lm_head's weight, never building the logits (``logits=None`` is returned).
-        layer_norm: accepted for a uniform signature; this family has no LayerNorm.
         model: a built model to patch in place, or ``None``.
     """
     return patch
