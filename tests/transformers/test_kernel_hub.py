@@ -24,22 +24,29 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:\s*No kernel mapping found for 
 
 TIGHT = 1e-5
 MODULES = {model_type: importlib.import_module(family.module) for model_type, family in FAMILIES.items()}
-# The families whose RMSNorm class, and whose rotary function, transformers registers for the hub.
-HUB_RMS_NORMS = sorted(
-    model_type for model_type, family in FAMILIES.items()
-    if getattr(getattr(MODULES[model_type], family.rms_norm), "kernel_layer_name", None) == "RMSNorm"
-)
-HUB_ROTARIES = sorted(
-    model_type for model_type, family in FAMILIES.items()
-    if getattr(getattr(MODULES[model_type], family.rope), "kernel_layer_name", None) == "rotary_pos_emb"
-)
+
+
+def _hub_rows(name, rows_of):
+    """``{(module, row name): (model_type, row)}`` for the rows whose class or function
+    transformers registers for the hub as ``name``, each once however many families share it."""
+    found = {}
+    for model_type, family in sorted(FAMILIES.items()):
+        for row in rows_of(family):
+            if getattr(getattr(MODULES[model_type], row.name), "kernel_layer_name", None) == name:
+                found.setdefault((family.module, row.name), (model_type, row))
+    return found
+
+
+HUB_RMS_NORMS = _hub_rows("RMSNorm", lambda family: [row for row in family.norms if row.kind == "rms"])
+HUB_ROTARIES = _hub_rows("rotary_pos_emb", lambda family: family.ropes)
+_ids = [name for _, name in HUB_RMS_NORMS], [f"{module.rpartition('_')[2]}.{name}" for module, name in HUB_ROTARIES]
 
 
 @pytest.fixture(autouse=True)
 def rotary_functions_restored():
     """kernelize swaps the forward of a family's one rotary function object, which every model of
     the family shares: each test leaves them with their own."""
-    functions = [getattr(MODULES[model_type], FAMILIES[model_type].rope) for model_type in HUB_ROTARIES]
+    functions = [getattr(MODULES[model_type], row.name) for model_type, row in HUB_ROTARIES.values()]
     yield
     for function in functions:
         vars(function).pop("forward", None)
@@ -52,8 +59,24 @@ def repo(tmp_path_factory):
 
 def test_hub_registers_the_layers_expected():
     # What transformers 5.17 registers, as the README describes it: a change here is a new reach.
-    assert HUB_RMS_NORMS == sorted(set(FAMILIES) - {"gemma", "gemma2", "gemma3_text"})
-    assert HUB_ROTARIES == sorted(set(FAMILIES) - {"phi3"})
+    # The families with an RMSNorm, or a rotary function, of which none is registered:
+    without_norm = {
+        model_type for model_type, family in FAMILIES.items()
+        if any(row.kind == "rms" for row in family.norms)
+        and not any((family.module, row.name) in HUB_RMS_NORMS for row in family.norms)
+    }
+    without_rotary = {
+        model_type for model_type, family in FAMILIES.items()
+        if family.ropes and not any((family.module, row.name) in HUB_ROTARIES for row in family.ropes)
+    }
+    assert without_norm == {
+        "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "llama4", "mllama", "muse_glimmer",
+        "pixtral", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+    }
+    assert without_rotary == {
+        "deepseek_v2", "deepseek_v4", "gemma4", "gemma4_text", "glm4", "glm4_moe", "glm4v", "glm4v_moe", "llama4",
+        "mllama", "nemotron", "phi3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+    }
 
 
 def test_export_writes_a_noarch_build_per_backend(tmp_path):
@@ -95,9 +118,9 @@ def test_kernel_config_maps_the_hub_names(repo, tmp_path, monkeypatch):
         kernel_config(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("model_type", HUB_RMS_NORMS)
-def test_rms_norm_layer_equals_hugging_face(model_type):
-    norm_class = getattr(MODULES[model_type], FAMILIES[model_type].rms_norm)
+@pytest.mark.parametrize("model_type, row", HUB_RMS_NORMS.values(), ids=_ids[0])
+def test_rms_norm_layer_equals_hugging_face(model_type, row):
+    norm_class = getattr(MODULES[model_type], row.name)
     norm = norm_class(48, eps=1e-5).to(DEVICE)
     with torch.no_grad():
         norm.weight.copy_(randn(48))
@@ -112,15 +135,16 @@ def test_rms_norm_layer_equals_hugging_face(model_type):
         assert relative_error(grad, truth) <= TIGHT, f"grad of {name}"
 
 
-@pytest.mark.parametrize("model_type", HUB_ROTARIES)
+@pytest.mark.parametrize("model_type, row", HUB_ROTARIES.values(), ids=_ids[1])
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
-def test_rotary_layer_equals_hugging_face(model_type, unsqueeze_dim):
-    function = getattr(MODULES[model_type], FAMILIES[model_type].rope)
+def test_rotary_layer_equals_hugging_face(model_type, row, unsqueeze_dim):
+    function = getattr(MODULES[model_type], row.name)
     # q, k: [B, H, T, D] (unsqueeze_dim=1) or [B, T, H, D] (2), with 4 query and 2 key heads.
     q_shape, k_shape = ((2, 4, 6, 16), (2, 2, 6, 16)) if unsqueeze_dim == 1 else ((2, 6, 4, 16), (2, 6, 2, 16))
     q, k = randn(*q_shape, requires_grad=True), randn(*k_shape, requires_grad=True)
     angles = torch.rand(2, 6, 8, device=DEVICE) * 6.28
-    angles = torch.cat((angles, angles), dim=-1)
+    # The table as the family's rotary embedding builds it: GPT-OSS's one angle per pair.
+    angles = angles if row.form == "half_table" else torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()
     results = []
     for forward in (type(function).forward, kernel_hub.ApplyRotaryPosEmb.forward):
@@ -170,7 +194,7 @@ def test_config_keeps_the_names_a_model_registers(repo):
     model = tiny_model("gemma")
     model.set_use_kernels(True, kernel_config=kernel_config(repo))
     assert model.kernel_config.kernel_mapping.keys() == {"rotary_pos_emb"}
-    function = getattr(MODULES["gemma"], FAMILIES["gemma"].rope)
+    function = getattr(MODULES["gemma"], FAMILIES["gemma"].ropes[0].name)
     assert function.forward.__func__ is kernel_hub.ApplyRotaryPosEmb.forward
 
 
