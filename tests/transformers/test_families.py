@@ -6,8 +6,34 @@ import pytest
 import torch
 
 from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
-from tiny_models import replay, tiny_model, train
+from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
+from tiny_models import TINY, replay, tiny_config, tiny_model, train
 from utils import relative_error
+
+
+def build(model_type, **options):
+    """A fresh fp32 model of the family (its seed-0 weights, patched or not)."""
+    return tiny_model(model_type, **options) if model_type in TINY else tiny_family_model(model_type, **options)
+
+
+def batch_of(model_type, images=True):
+    """The family's batch (``None``: tiny_models' text batch); a vision-language model's holds
+    images unless ``images=False``."""
+    return None if model_type in TINY else tiny_family_batch(model_type, images=images)
+
+
+def patch_modules(model_type):
+    """Patch before building: the family's modules, and the outer model's where the tiny model is
+    of another row (the "pixtral" case is a Llava model with a Pixtral vision tower)."""
+    PATCHERS[model_type]()
+    outer_type = (tiny_config if model_type in TINY else tiny_family_config)(model_type).model_type
+    if outer_type != model_type:
+        PATCHERS[outer_type]()
+
+
+VISION_LANGUAGE = sorted(
+    model_type for model_type, family in FAMILIES.items() if family.head and "ConditionalGeneration" in family.head
+)
 
 # fp32: the patched model, given the Hugging Face run's weights before each step (replay), gives
 # that step's loss and gradients, and the final weights' eval logits, to rounding. A patched model
@@ -60,20 +86,26 @@ def assert_replays(run, truth):
     assert relative_error(run.eval_logits, truth.eval_logits) <= TIGHT, "eval logits"
 
 
+def test_every_family_has_a_tiny_model():
+    assert sorted(TINY) + sorted(TINY_FAMILIES) == sorted(FAMILIES)
+
+
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_trains_like_plain(model_type):
-    truth = train(tiny_model(model_type))
+    batch = batch_of(model_type)
+    truth = train(build(model_type), batch)
 
-    # A built model, patched in place.
-    patched = apply_tigon(tiny_model(model_type))
-    assert_uses_tigon(patched, model_type)
-    assert_replays(replay(patched, truth), truth)
+    # A built model, patched in place (the "pixtral" case: the Llava model holding the tower).
+    patched = apply_tigon(build(model_type))
+    outer_type = patched.config.model_type
+    assert_uses_tigon(patched, outer_type)
+    assert_replays(replay(patched, truth, batch), truth)
 
     # The modeling module, patched before the model is built: same initial weights, trained on its own.
-    PATCHERS[model_type]()
-    model = tiny_model(model_type)
-    assert_uses_tigon(model, model_type)
-    run = train(model)
+    patch_modules(model_type)
+    model = build(model_type)
+    assert_uses_tigon(model, outer_type)
+    run = train(model, batch)
     for step, loss in enumerate(truth.losses):
         limit = TIGHT if step == 0 else LATER_LOSSES
         assert relative_error(run.losses[step], loss) <= limit, f"trained on its own: loss at step {step}"
@@ -107,11 +139,19 @@ def assert_bf16_as_close_to_fp32_as_plain(patched, plain, truth):
             )
 
 
+@pytest.mark.parametrize("model_type", VISION_LANGUAGE)
+def test_vision_language_model_text_only(model_type):
+    batch = batch_of(model_type, images=False)
+    truth = train(build(model_type), batch)
+    assert_replays(replay(apply_tigon(build(model_type)), truth, batch), truth)
+
+
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_bf16_as_close_to_fp32_as_plain(model_type):
-    truth = train(tiny_model(model_type))
-    plain = replay(tiny_model(model_type).to(torch.bfloat16), truth)
-    patched = replay(apply_tigon(tiny_model(model_type).to(torch.bfloat16)), truth)
+    batch = batch_of(model_type)
+    truth = train(build(model_type), batch)
+    plain = replay(build(model_type).to(torch.bfloat16), truth, batch)
+    patched = replay(apply_tigon(build(model_type).to(torch.bfloat16)), truth, batch)
     assert_bf16_as_close_to_fp32_as_plain(patched, plain, truth)
 
 

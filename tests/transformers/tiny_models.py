@@ -96,49 +96,56 @@ def _load_weights(model, weights: dict[str, torch.Tensor]) -> None:
             p.copy_(weights[name])
 
 
-def _loss_and_grads(model):
+def _text_batch():
     input_ids, labels = tiny_batch()
+    return dict(input_ids=input_ids, labels=labels)
+
+
+def _loss_and_grads(model, batch):
     model.train()
-    output = model(input_ids=input_ids, labels=labels)
+    output = model(**batch)
     output.loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return output.loss.detach(), grads
 
 
-def _eval_logits(model):
+def _eval_logits(model, batch):
     model.eval()
     with torch.no_grad():
-        return model(input_ids=tiny_batch()[0]).logits
+        return model(**{name: value for name, value in batch.items() if name != "labels"}).logits
 
 
-def train(model) -> Run:
-    """``STEPS`` AdamW steps on one fixed batch, then an eval forward on it."""
+def train(model, batch=None) -> Run:
+    """``STEPS`` AdamW steps on one fixed batch (model inputs with ``labels``; by default
+    :func:`tiny_batch`'s), then an eval forward on it."""
+    batch = batch or _text_batch()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     run = Run([], [], [], None)
     for _ in range(STEPS):
         run.weights.append(_weights(model))
-        loss, grads = _loss_and_grads(model)
+        loss, grads = _loss_and_grads(model, batch)
         run.losses.append(loss)
         run.grads.append(grads)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     run.weights.append(_weights(model))
-    run.eval_logits = _eval_logits(model)
+    run.eval_logits = _eval_logits(model, batch)
     return run
 
 
-def replay(model, reference: Run) -> Run:
+def replay(model, reference: Run, batch=None) -> Run:
     """``model`` given ``reference``'s weights before each of its steps (cast to ``model``'s
     dtype): each step's loss and gradients; then, given its final weights, the eval logits. Both
     models are then compared on the same weights at every step, free of how far two independently
     trained runs drift apart."""
+    batch = batch or _text_batch()
     run = Run(reference.weights, [], [], None)
     for weights in reference.weights[:-1]:
         _load_weights(model, weights)
-        loss, grads = _loss_and_grads(model)
+        loss, grads = _loss_and_grads(model, batch)
         run.losses.append(loss)
         run.grads.append(grads)
         model.zero_grad(set_to_none=True)
     _load_weights(model, reference.weights[-1])
-    run.eval_logits = _eval_logits(model)
+    run.eval_logits = _eval_logits(model, batch)
     return run
