@@ -32,6 +32,7 @@ from tigon.ops._launch import MAX_FUSED_ROW
 __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
+    "rms_norm_gated",
     "layer_norm",
     "rope",
     "swiglu",
@@ -95,16 +96,76 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_m
     return _rms_norm.fused_add_rms_norm(x, residual, weight, float(eps), float(offset), casting_mode)
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5):
+def rms_norm_gated(x, gate, weight=None, eps=1e-6, *, group_size=None, norm_before_gate=True, casting_mode="llama"):
+    """RMSNorm gated by ``silu(gate)``: the output norm of gated DeltaNet and Mamba2 mixers.
+
+    Norm before gate: ``y = (weight · x̂) · silu(gate)`` with ``x̂ = x · rstd(x)``; gate before
+    norm: ``y = weight · ẑ`` with ``ẑ = z · rstd(z)``, ``z = x · silu(gate)``. ``rstd`` is taken
+    per group of ``group_size`` consecutive features when given (the weight stays one ``[H]``
+    vector). The gate's product is always taken in fp32; ``casting_mode`` rounds as
+    :func:`rms_norm` does, and in ``"llama"`` casting the norm-before-gate product ``weight · x̂``
+    is rounded to ``x.dtype`` before the gate multiplies it when ``weight`` has that dtype, as
+    eager PyTorch rounds the product of two bf16 tensors.
+
+    The Hugging Face modules, with ``m`` the module (``gate=None`` gives the plain grouped norm)::
+
+        Qwen3NextRMSNormGated, Qwen3_5RMSNormGated, OlmoHybridRMSNormGated:
+            rms_norm_gated(x, gate, m.weight, m.variance_epsilon)
+        FalconH1RMSNormGated:
+            rms_norm_gated(x, gate, m.weight, m.variance_epsilon, group_size=H // m.n_groups,
+                           norm_before_gate=m.norm_before_gate, casting_mode="gemma")
+        MambaRMSNormGated (Mamba2), BambaRMSNormGated, GraniteMoeHybridRMSNormGated:
+            rms_norm_gated(x, gate, m.weight, m.variance_epsilon, norm_before_gate=False)
+        Zamba2RMSNormGated:
+            rms_norm_gated(x, gate, m.weight, m.variance_epsilon, group_size=m.group_size,
+                           norm_before_gate=False)
+
+    (the Mamba2-style modules return ``weight``'s dtype when it is wider than ``x``'s; this
+    returns ``x.dtype``).
+
+    Args:
+        x: ``[..., H]``, any row stride.
+        gate: ``x``'s shape and dtype, any row stride, or ``None`` (no gate).
+        weight: ``[H]`` or ``None``. Any float dtype.
+        eps: added to each mean square.
+        group_size: divides ``H`` and is at most 65536; ``None`` normalises the whole row.
+        norm_before_gate: see above.
+        casting_mode: ``"llama"`` or ``"gemma"``, as :func:`rms_norm`.
+    Returns: ``[..., H]`` in ``x.dtype``. Gradients flow to ``x``, ``gate`` and ``weight``.
+    """
+    check_tensor("x", x)
+    hidden = x.shape[-1]
+    group_size = hidden if group_size is None else group_size
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0 or hidden % group_size:
+        raise ValueError(f"group_size must be a positive int dividing x's last dimension {hidden}; got {group_size!r}")
+    if group_size > MAX_FUSED_ROW:
+        raise ValueError(f"group_size is {group_size}; tigon's norms support rows (groups) up to {MAX_FUSED_ROW}")
+    if gate is not None:
+        check_tensor("gate", gate)
+        check_shape("gate", gate, tuple(x.shape), "the shape of x")
+        check_same_dtype(x=x, gate=gate)
+    if weight is not None:
+        check_tensor("weight", weight)
+        check_shape("weight", weight, (hidden,), "the last dimension of x")
+    check_same_device(x=x, gate=gate, weight=weight)
+    check_choice("casting_mode", casting_mode, _rms_norm.CASTING_MODES)
+    return _rms_norm.rms_norm_gated(x, gate, weight, float(eps), group_size, bool(norm_before_gate), casting_mode)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, offset=0.0):
     """Layer normalisation over the last dimension (``torch.nn.functional.layer_norm`` semantics).
 
     Args:
         x: ``[..., H]``, any row stride.
         weight, bias: ``[H]`` or ``None``.
+        offset: added to the weight, in the weight's dtype: ``1.0`` gives Nemotron's
+            ``NemotronLayerNorm1P`` (``layer_norm(x, weight + 1, bias)``). Needs a weight.
     Returns: ``[..., H]`` in ``x.dtype``.
     """
     _check_norm_args(x, weight, bias)
-    return _layer_norm.layer_norm(x, weight, bias, float(eps))
+    if offset and weight is None:
+        raise ValueError(f"offset={offset!r} is added to the weight, but weight is None")
+    return _layer_norm.layer_norm(x, weight, bias, float(eps), float(offset))
 
 
 def rope(q, k, cos, sin, rotary_dim=None):

@@ -3,8 +3,9 @@ import torch
 
 from tigon.testing import reference
 import tigon.functional as tf
+import tigon.nn as tnn
 from tigon.ops import layer_norm as layer_norm_ops
-from utils import DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
+from utils import DEVICE, DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
     # (211, 40) and (9, 5000) give the backward several programs, each looping over several row
@@ -114,10 +115,11 @@ def test_custom_ops_fake_matches_real(weight, bias):
     # torch.compile miscompiles whatever follows the op.
     x = randn(3, 5, 48, dtype=torch.bfloat16)[:, :, :40]
     weight, bias = _params(40, torch.bfloat16, weight, bias, requires_grad=False)
-    y, mean, rstd = layer_norm_ops.layer_norm_fwd(x, weight, bias, 1e-5)
+    offset = 1.0 if weight is not None else 0.0
+    y, mean, rstd = layer_norm_ops.layer_norm_fwd(x, weight, bias, 1e-5, offset)
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(layer_norm_ops.layer_norm_fwd.op, (x, weight, bias, 1e-5), test_utils=checks)
-    bwd_args = (torch.randn_like(x), x, weight, mean, rstd, weight is not None, bias is not None)
+    torch.library.opcheck(layer_norm_ops.layer_norm_fwd.op, (x, weight, bias, 1e-5, offset), test_utils=checks)
+    bwd_args = (torch.randn_like(x), x, weight, mean, rstd, offset, weight is not None, bias is not None)
     torch.library.opcheck(layer_norm_ops.layer_norm_bwd.op, bwd_args, test_utils=checks)
 
 
@@ -136,3 +138,65 @@ def test_torch_compile_fullgraph():
     eager.backward(grad_out)
     for name, tensor, eager_tensor in zip(("x", "weight", "bias"), (x, weight, bias), eager_inputs):
         assert_close(tensor.grad, eager_tensor.grad, torch.float32, f"compiled grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_layer_norm_offset(shape, dtype):
+    # Nemotron's weight + 1, with small weights as such a model keeps them: the sum rounds to
+    # the weight's dtype in both.
+    x = _x(shape, dtype, "strided")
+    weight = randn(shape[-1], dtype=dtype, requires_grad=True, scale=0.1)
+    bias = randn(shape[-1], dtype=dtype, requires_grad=True)
+    truth_inputs = leaf_copies(x, weight, bias)
+    out = tf.layer_norm(x, weight, bias, offset=1.0)
+    truth = reference.layer_norm(*truth_inputs, offset=1.0)
+    assert_close(out, truth, dtype, "output")
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    truth.backward(grad_out.to(truth.dtype))
+    for name, tensor, truth_tensor in zip(("x", "weight", "bias"), (x, weight, bias), truth_inputs):
+        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_1p_matches_hugging_face(dtype):
+    """Nemotron's NemotronLayerNorm1P itself (weights copied): outputs bit for bit in 16-bit
+    dtypes but for the rare last-place difference of fp32 statistics, gradients within tolerance."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    shape = pick(cpu=(3, 5, 96), gpu=(4, 1024, 4096))
+    module = NemotronLayerNorm1P(shape[-1], eps=1e-5).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(randn(shape[-1], scale=0.1))
+        module.bias.copy_(randn(shape[-1]))
+    x = randn(*shape, dtype=dtype, requires_grad=True)
+    weight, bias = (p.detach().clone().requires_grad_() for p in (module.weight, module.bias))
+    out = tf.layer_norm(x, weight, bias, module.eps, offset=1.0)
+    expected = module(x)
+    assert_close(out, expected, dtype, "output against the module")
+    if dtype != torch.float32:
+        assert (out != expected).float().mean().item() <= 0.01, "16-bit outputs differ from the module's roundings"
+    dy = randn(*shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (x, weight, bias), dy)
+    expected_grads = torch.autograd.grad(expected, (x, module.weight, module.bias), dy)
+    for name, grad, expected_grad in zip(("x", "weight", "bias"), grads, expected_grads):
+        assert_close(grad, expected_grad, dtype, f"grad of {name} against the module")
+
+
+def test_layer_norm_1p_module_loads_hugging_face_weights():
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    hf = NemotronLayerNorm1P(40).to(DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(randn(40, scale=0.1))
+        hf.bias.copy_(randn(40))
+    module = tnn.LayerNorm(40, eps=hf.eps, offset=1.0, device=DEVICE)
+    module.load_state_dict(hf.state_dict())
+    x = randn(2, 7, 40)
+    assert_close(module(x), hf(x), torch.float32, "module output")
+
+
+def test_layer_norm_offset_needs_a_weight():
+    with pytest.raises(ValueError, match="offset=1.0 is added to the weight, but weight is None"):
+        tf.layer_norm(randn(3, 8), None, randn(8), offset=1.0)

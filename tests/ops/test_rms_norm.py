@@ -3,8 +3,9 @@ import torch
 
 from tigon.testing import reference
 import tigon.functional as tf
+import tigon.nn as tnn
 from tigon.ops import rms_norm as rms_norm_ops
-from utils import DTYPES, assert_close, leaf_copies, pick, randn
+from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
     cpu=[(7, 33), (3, 5, 128), (2, 300)],
@@ -109,3 +110,186 @@ def test_custom_ops_fake_matches_real(with_residual):
     normed_input = summed if with_residual else x
     bwd_args = (torch.randn_like(x), residual, normed_input, weight, rstd, 0.0, True)
     torch.library.opcheck(rms_norm_ops.rms_norm_bwd.op, bwd_args, test_utils=checks)
+
+
+# --- Gated RMSNorm ---------------------------------------------------------------------------
+
+
+def _n_groups(hidden):
+    """The smallest divisor of ``hidden`` from 3 up: groups of odd and of power-of-two widths."""
+    return next(d for d in range(3, hidden + 1) if hidden % d == 0)
+
+
+def _gated_inputs(shape, dtype, layout="contiguous"):
+    x, gate = _x(shape, dtype, layout), _x(shape, dtype, layout)
+    weight = randn(shape[-1], dtype=dtype, requires_grad=True)
+    return x, gate, weight
+
+
+def _check_gated(x, gate, weight, **options):
+    inputs = {"x": x, "gate": gate, "weight": weight}
+    truth_inputs = leaf_copies(x, gate, weight)
+    out = tf.rms_norm_gated(x, gate, weight, 1e-6, **options)
+    truth = reference.rms_norm_gated(*truth_inputs, 1e-6, **options)
+    assert out.shape == x.shape
+    _check([out], [truth], inputs, truth_inputs, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_rms_norm_gated(shape, dtype, layout):
+    _check_gated(*_gated_inputs(shape, dtype, layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("casting_mode", ["llama", "gemma"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_rms_norm_gated_options(dtype, norm_before_gate, casting_mode, grouped):
+    shape = SHAPES[0]  # H = 33: three groups of 11
+    group_size = shape[-1] // _n_groups(shape[-1]) if grouped else None
+    x, gate, weight = _gated_inputs(shape, dtype, "strided")
+    _check_gated(x, gate, weight, group_size=group_size, norm_before_gate=norm_before_gate, casting_mode=casting_mode)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_gated_groups(shape):
+    # Every shape cut into groups (widths 11, 32 and 100 on the CPU): each group its own rstd.
+    x, gate, weight = _gated_inputs(shape, torch.float32)
+    _check_gated(x, gate, weight, group_size=shape[-1] // _n_groups(shape[-1]))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_rms_norm_gated_without_gate_or_weight(grouped):
+    shape = SHAPES[2]
+    group_size = shape[-1] // _n_groups(shape[-1]) if grouped else None
+    x, _, weight = _gated_inputs(shape, torch.float32)
+    _check_gated(x, None, weight, group_size=group_size)
+    x, gate, _ = _gated_inputs(shape, torch.float32)
+    _check_gated(x, gate, None, group_size=group_size)
+
+
+def test_rms_norm_gated_fp32_weight_with_half_input():
+    # A wider weight: torch's weight * x̂ is then fp32 and not rounded before the gate.
+    x, gate, _ = _gated_inputs(SHAPES[1], torch.bfloat16)
+    weight = randn(SHAPES[1][-1], requires_grad=True)
+    _check_gated(x, gate, weight)
+
+
+def test_rms_norm_gated_frozen_inputs_get_no_grad():
+    x, gate, weight = _gated_inputs(SHAPES[0], torch.float32)
+    gate.requires_grad_(False)
+    weight.requires_grad_(False)
+    tf.rms_norm_gated(x, gate, weight).sum().backward()
+    assert x.grad is not None and gate.grad is None and weight.grad is None
+
+
+def test_rms_norm_gated_bad_input_is_named():
+    x, gate, weight = _gated_inputs((4, 12), torch.float32)
+    with pytest.raises(ValueError, match=r"group_size must be a positive int dividing x's last dimension 12; got 5"):
+        tf.rms_norm_gated(x, gate, weight, group_size=5)
+    with pytest.raises(ValueError, match=r"gate must have shape \(4, 12\) \(the shape of x\), got \(4, 13\)"):
+        tf.rms_norm_gated(x, randn(4, 13), weight)
+    with pytest.raises(TypeError, match="x torch.float32, gate torch.bfloat16"):
+        tf.rms_norm_gated(x, gate.bfloat16(), weight)
+    with pytest.raises(ValueError, match=r"weight must have shape \(12,\).*got \(6,\)"):
+        tf.rms_norm_gated(x, gate, weight[:6])
+    with pytest.raises(ValueError, match="casting_mode must be one of 'llama', 'gemma'; got 'qwen'"):
+        tf.rms_norm_gated(x, gate, weight, casting_mode="qwen")
+
+
+def _hf_gated_norms():
+    """``(name, module factory, tigon options)``: each Hugging Face gated norm and the arguments
+    of :func:`tigon.functional.rms_norm_gated` that compute it."""
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1RMSNormGated
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNormGated
+
+    def falcon(n_groups, norm_before_gate):
+        return (
+            f"falcon_h1-groups{n_groups}-{'norm' if norm_before_gate else 'gate'}_first",
+            lambda hidden: FalconH1RMSNormGated(hidden, 1e-6, n_groups, norm_before_gate),
+            lambda hidden: dict(group_size=hidden // n_groups, norm_before_gate=norm_before_gate, casting_mode="gemma"),
+        )
+
+    return [
+        ("qwen3_next", lambda hidden: Qwen3NextRMSNormGated(hidden, 1e-6), lambda hidden: {}),
+        *(falcon(n_groups, before) for n_groups in (1, 4) for before in (True, False)),
+        ("mamba2", lambda hidden: MambaRMSNormGated(hidden, 1e-6), lambda hidden: dict(norm_before_gate=False)),
+        (
+            "zamba2", lambda hidden: Zamba2RMSNormGated(hidden, hidden // 4, 1e-6),
+            lambda hidden: dict(group_size=hidden // 4, norm_before_gate=False),
+        ),
+    ]
+
+
+HF_GATED_NORMS = {name: (make, options) for name, make, options in _hf_gated_norms()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", HF_GATED_NORMS)
+def test_rms_norm_gated_matches_hugging_face(name, dtype):
+    """The module itself (weights copied) on the same inputs: fp32 within the tolerance, and in
+    16-bit dtypes the same roundings in the same order, so the outputs agree bit for bit but for
+    the rare value whose fp32 rstd differs in the last place (in a wrong casting order a third of
+    them differ); gradients within the dtype's tolerance of autograd through the module."""
+    make, options = HF_GATED_NORMS[name]
+    shape = pick(cpu=(3, 5, 96), gpu=(4, 1024, 4096))
+    module = make(shape[-1]).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(randn(shape[-1]))
+    x, gate = randn(*shape, dtype=dtype, requires_grad=True), randn(*shape, dtype=dtype, requires_grad=True)
+    weight = module.weight.detach().clone().requires_grad_()
+
+    out = tf.rms_norm_gated(x, gate, weight, module.variance_epsilon, **options(shape[-1]))
+    expected = module(x, gate)
+    assert out.dtype == expected.dtype == dtype
+    assert_close(out, expected, dtype, "output against the module")
+    if dtype != torch.float32:
+        assert (out != expected).float().mean().item() <= 0.01, "16-bit outputs differ from the module's roundings"
+
+    dy = randn(*shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (x, gate, weight), dy)
+    expected_grads = torch.autograd.grad(expected, (x, gate, module.weight), dy)
+    for what, grad, expected_grad in zip(("x", "gate", "weight"), grads, expected_grads):
+        assert_close(grad, expected_grad, dtype, f"grad of {what} against the module")
+
+
+def test_rms_norm_gated_module_loads_hugging_face_weights():
+    name = "falcon_h1-groups4-gate_first"
+    make, options = HF_GATED_NORMS[name]
+    hidden = 48
+    hf = make(hidden).to(DEVICE)
+    with torch.no_grad():
+        hf.weight.copy_(randn(hidden))
+    module = tnn.RMSNormGated(hidden, eps=1e-6, **options(hidden), device=DEVICE)
+    module.load_state_dict(hf.state_dict())
+    x, gate = randn(2, 3, hidden), randn(2, 3, hidden)
+    assert_close(module(x, gate), hf(x, gate), torch.float32, "module output")
+    assert_close(module(x), hf(x), torch.float32, "module output without a gate")
+
+
+def test_gated_custom_ops_fake_matches_real():
+    x = randn(64, 40, dtype=torch.bfloat16).t()
+    gate = randn(40, 64, dtype=torch.bfloat16)
+    weight = randn(64, dtype=torch.bfloat16)
+    checks = ("test_schema", "test_faketensor")
+    for norm_before_gate in (True, False):
+        fwd_args = (x, gate, weight, 1e-6, 16, norm_before_gate, "llama")
+        torch.library.opcheck(rms_norm_ops.rms_norm_gated_fwd.op, fwd_args, test_utils=checks)
+        _, rstd = rms_norm_ops.rms_norm_gated_fwd(*fwd_args)
+        bwd_args = (torch.randn_like(x), x, gate, weight, rstd, 16, norm_before_gate, "llama", True)
+        torch.library.opcheck(rms_norm_ops.rms_norm_gated_bwd.op, bwd_args, test_utils=checks)
+
+
+def test_rms_norm_gated_compiles_without_graph_breaks():
+    x, gate, weight = _gated_inputs(SHAPES[1], torch.float32)
+    truth_inputs = leaf_copies(x, gate, weight)
+    # Off the GPU, aot_eager traces through the fake functions without needing a C++ toolchain.
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    compiled = torch.compile(lambda x, g, w: tf.rms_norm_gated(x + 1.0, g, w, group_size=32), fullgraph=True, backend=backend)
+    out = compiled(x, gate, weight)
+    truth = reference.rms_norm_gated(truth_inputs[0] + 1.0, *truth_inputs[1:], group_size=32)
+    _check([out], [truth], {"x": x, "gate": gate, "weight": weight}, truth_inputs, torch.float32)

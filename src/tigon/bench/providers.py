@@ -105,6 +105,8 @@ def _liger() -> OpTable:
         "rms_norm": lambda a: lf.liger_rms_norm(a["x"], a["weight"], 1e-6),
         "fused_add_rms_norm": lambda a: lf.liger_fused_add_rms_norm(a["x"], a["residual"], a["weight"], 1e-6),
         "layer_norm": lambda a: lf.liger_layer_norm(a["x"], a["weight"], a["bias"], 1e-5),
+        # Liger's LayerNorm has no offset: the weight + 1 is one more (tiny) op.
+        "layer_norm_1p": lambda a: lf.liger_layer_norm(a["x"], a["weight"] + 1.0, a["bias"], 1e-5),
         "rope": lambda a: lf.liger_rope(a["q"], a["k"], a["cos"], a["sin"]),
         "swiglu": lambda a: lf.liger_swiglu(a["gate"], a["up"]),
         "geglu": lambda a: lf.liger_geglu(a["gate"], a["up"]),

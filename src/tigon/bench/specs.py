@@ -93,6 +93,15 @@ def _norm_case(with_residual=False, with_bias=False):
     return build
 
 
+def _gated_norm_case(dims, dtype, device):
+    shape = (dims["rows"], dims["H"])
+    args = {
+        "x": _randn(shape, dtype, device, True), "gate": _randn(shape, dtype, device, True),
+        "weight": _randn(dims["H"], dtype, device, True),
+    }
+    return Case(args, (_randn(shape, dtype, device),))
+
+
 def _rope_case(dims, dtype, device):
     # q and k as a Hugging Face attention layer hands them over: [B, T, H, D] projections viewed
     # as [B, H, T, D] by a transpose, so the head axis is not the outer one in memory.
@@ -320,9 +329,27 @@ OPS: dict[str, OpSpec] = {
             call=lambda f, a: f.fused_add_rms_norm(a["x"], a["residual"], a["weight"]),
             work=_tensor_passes(_elements("rows", "H"), 4, 4),
         ),
+        # Forward reads x and gate, writes y; backward reads x, gate and dy, writes dx and dgate.
+        # Swept over rows at Qwen3-Next's head_v_dim 128 (the norm runs per value head): 262144
+        # rows are 8192 tokens of its 32 value heads.
+        OpSpec(
+            "rms_norm_gated", "x, gate [{rows}, {H}]",
+            sweep=Sweep("rows", (65536, 131072, 262144, 524288), 262144, {"H": 128}),
+            smoke=Sweep("rows", (48, 96), 96, {"H": 128}),
+            build=_gated_norm_case,
+            call=lambda f, a: f.rms_norm_gated(a["x"], a["gate"], a["weight"]),
+            work=_tensor_passes(_elements("rows", "H"), 3, 5),
+        ),
         OpSpec(
             "layer_norm", "x [{rows}, {H}]", sweep=NORM_SWEEP, smoke=NORM_SMOKE, build=_norm_case(with_bias=True),
             call=lambda f, a: f.layer_norm(a["x"], a["weight"], a["bias"]),
+            work=_tensor_passes(_elements("rows", "H"), 2, 3),
+        ),
+        # Nemotron's NemotronLayerNorm1P, layer_norm(x, weight + 1, bias): the same traffic.
+        OpSpec(
+            "layer_norm_1p", "x [{rows}, {H}], weight + 1", sweep=NORM_SWEEP, smoke=NORM_SMOKE,
+            build=_norm_case(with_bias=True),
+            call=lambda f, a: f.layer_norm(a["x"], a["weight"], a["bias"], offset=1.0),
             work=_tensor_passes(_elements("rows", "H"), 2, 3),
         ),
         # q and k read and written in forward; dq and dk read and written in backward.

@@ -12,6 +12,7 @@ from tigon import functional as F
 
 __all__ = [
     "RMSNorm",
+    "RMSNormGated",
     "LayerNorm",
     "SwiGLUMLP",
     "GeGLUMLP",
@@ -39,20 +40,52 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode!r}"
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension with ``weight`` and ``bias [hidden_size]``."""
+class RMSNormGated(nn.Module):
+    """RMSNorm gated by ``silu(gate)``, :func:`tigon.functional.rms_norm_gated`; ``weight
+    [hidden_size]`` starts at ones. ``forward(hidden_states, gate=None)``, as the Hugging Face
+    modules: ``Qwen3NextRMSNormGated(H, eps)`` is ``RMSNormGated(H, eps)``,
+    ``FalconH1RMSNormGated(H, eps, n_groups, norm_before_gate)`` is ``RMSNormGated(H, eps,
+    group_size=H // n_groups, norm_before_gate=norm_before_gate, casting_mode="gemma")``, Mamba2's
+    is ``RMSNormGated(H, eps, norm_before_gate=False)``."""
 
-    def __init__(self, hidden_size, eps=1e-5, bias=True, device=None, dtype=None):
+    def __init__(self, hidden_size, eps=1e-6, group_size=None, norm_before_gate=True, casting_mode="llama",
+                 device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        self.casting_mode = casting_mode
+
+    def forward(self, hidden_states, gate=None):
+        return F.rms_norm_gated(
+            hidden_states, gate, self.weight, self.variance_epsilon, group_size=self.group_size,
+            norm_before_gate=self.norm_before_gate, casting_mode=self.casting_mode,
+        )
+
+    def extra_repr(self):
+        return (
+            f"{self.weight.shape[0]}, eps={self.variance_epsilon}, group_size={self.group_size}, "
+            f"norm_before_gate={self.norm_before_gate}, casting_mode={self.casting_mode!r}"
+        )
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension with ``weight`` and ``bias [hidden_size]``; ``offset=1``
+    is Nemotron's ``NemotronLayerNorm1P`` (``weight + 1``; its weight too starts at ones)."""
+
+    def __init__(self, hidden_size, eps=1e-5, bias=True, offset=0.0, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
         self.eps = eps
+        self.offset = offset
 
     def forward(self, hidden_states):
-        return F.layer_norm(hidden_states, self.weight, self.bias, self.eps)
+        return F.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.offset)
 
     def extra_repr(self):
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
 
 
 def linear_weight_usable(linear: nn.Module, x: torch.Tensor) -> bool:

@@ -70,7 +70,7 @@ def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _activation(g, ACTIVATION: tl.constexpr):
+def gate_activation(g, ACTIVATION: tl.constexpr):
     """``act(g)`` and ``act'(g)`` in fp32 (see the module docstring for the derivation)."""
     if ACTIVATION == "gelu_tanh":
         z = _GELU_SLOPE * (g + _GELU_CUBIC * g * g * g)
@@ -92,7 +92,7 @@ def gated_fwd_kernel(
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    act, _ = _activation(gate, ACTIVATION)
+    act, _ = gate_activation(gate, ACTIVATION)
     tl.store(OUT + rows * stride_out + cols, (act * up).to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -110,7 +110,7 @@ def gated_bwd_kernel(
     gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
-    act, act_grad = _activation(gate, ACTIVATION)
+    act, act_grad = gate_activation(gate, ACTIVATION)
     tl.store(DUP + rows * stride_dup + cols, (dout * act).to(DUP.dtype.element_ty), mask=mask)
     tl.store(DGATE + rows * stride_dgate + cols, (dout * up * act_grad).to(DGATE.dtype.element_ty), mask=mask)
     if STORE_OUT:

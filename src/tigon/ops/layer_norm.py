@@ -5,9 +5,13 @@ Forward, per row ``x [H]`` (fp32 math whatever the storage dtype)::
     mean = Σ x / H
     rstd = 1 / sqrt(Σ (x − mean)² / H + eps)
     x̂    = (x − mean) · rstd
-    y    = x̂ · w + b                        w, b optional, each on its own
+    y    = x̂ · (w + offset) + b             w, b optional, each on its own
 
-Backward, with ``g = dy · w`` (the gradient arriving at ``x̂``)::
+``offset`` (Nemotron's ``NemotronLayerNorm1P``: ``layer_norm(x, w + 1, b)``) is added to the
+weight and the sum rounded to the weight's dtype, as the eager ``weight + 1.0`` is; the weight's
+gradient is that of ``w + offset``, the same.
+
+Backward, with ``g = dy · (w + offset)`` (the gradient arriving at ``x̂``)::
 
     dx = rstd · (g − mean(g) − x̂ · mean(g · x̂))
     dw = Σ_rows dy · x̂
@@ -42,11 +46,19 @@ _PIPELINE_SMEM_BYTES = 128 * 1024
 
 
 @triton.jit
+def _offset_weight(W, cols, col_mask, offset):
+    """``w + offset`` in fp32, rounded through the weight's dtype as the eager sum is (exact for
+    offset 0)."""
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    return w.to(W.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def layer_norm_fwd_kernel(
     X, W, B, Y, MEAN, RSTD,
     n_rows, n_cols,
     stride_x, stride_y,
-    eps,
+    eps, offset,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -68,7 +80,7 @@ def layer_norm_fwd_kernel(
 
     y = x_centred * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = y * _offset_weight(W, cols, col_mask, offset)[None, :]
     if HAS_BIAS:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -79,6 +91,7 @@ def layer_norm_bwd_kernel(
     X, W, MEAN, RSTD, DY, DX, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols,
     stride_x, stride_dy, stride_dx, stride_partial,
+    offset,
     HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -94,7 +107,7 @@ def layer_norm_bwd_kernel(
     # (from L2) at each step instead of being held.
     W_IN_REGISTERS: tl.constexpr = BLOCK_N < 16384
     if HAS_WEIGHT and W_IN_REGISTERS:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _offset_weight(W, cols, col_mask, offset)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
@@ -112,7 +125,7 @@ def layer_norm_bwd_kernel(
         # Padding (rows or columns) has dy = 0, so it adds nothing to the sums below.
         x_hat = (x - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT and not W_IN_REGISTERS:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w = _offset_weight(W, cols, col_mask, offset)
         g = dy * w[None, :] if HAS_WEIGHT else dy
         if COMPUTE_DW:
             dw_acc += tl.sum(dy * x_hat, axis=0)
@@ -165,7 +178,7 @@ def _bwd_launch_config(n_cols: int, element_size: int) -> _BwdConfig:
     return _BwdConfig(block_m, block_n, num_warps, programs_per_sm, num_stages)
 
 
-def _fwd_fake(x, weight, bias, eps):
+def _fwd_fake(x, weight, bias, eps, offset):
     n_rows = math.prod(x.shape[:-1])
     stats = x.new_empty(n_rows, dtype=torch.float32)
     return x.new_empty((n_rows, x.shape[-1])), stats, torch.empty_like(stats)
@@ -173,7 +186,7 @@ def _fwd_fake(x, weight, bias, eps):
 
 @tigon_op("layer_norm_fwd", fake=_fwd_fake)
 def layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., H]`` → ``y [N, H]`` in ``x.dtype``, ``mean [N]`` and ``rstd [N]`` in fp32."""
     x2d = as_rows(x)
@@ -187,14 +200,14 @@ def layer_norm_fwd(
         x2d, weight, bias, y, mean, rstd,
         n_rows, n_cols,
         x2d.stride(0), y.stride(0),
-        eps,
+        eps, offset,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return y, mean, rstd
 
 
-def _bwd_fake(dy, x, weight, mean, rstd, compute_dw, compute_db):
+def _bwd_fake(dy, x, weight, mean, rstd, offset, compute_dw, compute_db):
     n_rows, n_cols = math.prod(x.shape[:-1]), x.shape[-1]
     param_grads = x.new_empty((int(compute_dw) + int(compute_db), n_cols), dtype=torch.float32)
     return x.new_empty((n_rows, n_cols)), param_grads
@@ -203,7 +216,7 @@ def _bwd_fake(dy, x, weight, mean, rstd, compute_dw, compute_db):
 @tigon_op("layer_norm_bwd", fake=_bwd_fake)
 def layer_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-    compute_dw: bool, compute_db: bool,
+    offset: float, compute_dw: bool, compute_db: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``dx [N, H]`` in ``x.dtype`` and ``param_grads [k, H]`` in fp32: the rows are
     ``dw`` (if ``compute_dw``) then ``db`` (if ``compute_db``), stacked so that one reduction
@@ -220,6 +233,7 @@ def layer_norm_bwd(
         partials[:, 0] if compute_dw else None, partials[:, -1] if compute_db else None,
         n_rows, n_cols,
         x2d.stride(0), dy2d.stride(0), dx.stride(0), partials.stride(0),
+        offset,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
@@ -232,9 +246,10 @@ class LayerNormFunction(torch.autograd.Function):
     computed only for parameters that require grad."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = layer_norm_fwd(x, weight, bias, eps)
+    def forward(ctx, x, weight, bias, eps, offset):
+        y, mean, rstd = layer_norm_fwd(x, weight, bias, eps, offset)
         ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.offset = offset
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(x.shape)
 
@@ -242,12 +257,12 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         compute_dw, compute_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dx, param_grads = layer_norm_bwd(dy, x, weight, mean, rstd, compute_dw, compute_db)
+        dx, param_grads = layer_norm_bwd(dy, x, weight, mean, rstd, ctx.offset, compute_dw, compute_db)
         dw = param_grads[0].to(weight.dtype) if compute_dw else None
         db = param_grads[-1].to(ctx.bias_dtype) if compute_db else None
-        return dx.view(dy.shape), dw, db, None
+        return dx.view(dy.shape), dw, db, None, None
 
 
-def layer_norm(x, weight, bias, eps):
+def layer_norm(x, weight, bias, eps, offset=0.0):
     """``x [..., H]`` → ``y [..., H]``; inputs validated by :mod:`tigon.functional`."""
-    return LayerNormFunction.apply(x, weight, bias, eps)
+    return LayerNormFunction.apply(x, weight, bias, eps, offset)

@@ -1,4 +1,4 @@
-"""RMSNorm and fused residual-add + RMSNorm.
+"""RMSNorm, fused residual-add + RMSNorm, and RMSNorm gated by ``silu(gate)`` (optionally per group).
 
 Forward, per row ``x [H]`` (fp32 math whatever the storage dtype)::
 
@@ -17,9 +17,28 @@ The fused variant computes ``s = x + residual`` (rounded to the input dtype, as 
 does), normalises ``s`` and also returns it; its backward adds the gradient arriving at ``s`` to
 the one coming through the norm and returns that sum for both ``x`` and ``residual``.
 
-Shapes: ``x [..., H]`` of fp32/bf16/fp16 with any row stride, ``weight [H]``; ``rstd`` is saved
-per row in fp32. Bytes per call (the roofline): forward reads x and writes y (2·N·H elements,
-plus the residual pair for the fused op), backward reads x and dy and writes dx (3·N·H).
+The gated variant (the output norm of Qwen3-Next's gated DeltaNet, Mamba2's and Falcon-H1's
+mixers) multiplies by ``σ_g = silu(gate)`` in fp32, after the norm or before it::
+
+    norm before gate:  y = h · σ_g,   h = w · x̂            (h rounded to the input dtype first
+                                                            in "llama" casting when w has that
+                                                            dtype, as torch's w · x̂ would be)
+    gate before norm:  y = w · ẑ,     ẑ = z · rstd(z),  z = x · σ_g
+
+and may normalise each of ``H / group_size`` equal slices of the row on its own (its own rstd;
+``w`` stays one ``[H]`` vector). Backward, with ``silu'(g) = σ(g)·(1 + g·(1 − σ(g)))``::
+
+    norm before gate:  dgate = dy · h · silu'(gate),   then the RMSNorm backward of dy · σ_g
+    gate before norm:  the RMSNorm backward of z gives dz;  dx = dz · σ_g,  dgate = dz · x · silu'(gate)
+
+A group is one program's row: the grid's second axis runs over the groups of a row (one when
+there are none), so the kernels below serve all three ops.
+
+Shapes: ``x [..., H]`` (and ``gate``) of fp32/bf16/fp16 with any row stride, ``weight [H]``;
+``rstd`` is saved per row (per group) in fp32. Bytes per call (the roofline): forward reads x and
+writes y (2·N·H elements, plus the residual pair for the fused op, plus the gate for the gated
+one), backward reads x and dy and writes dx (3·N·H; the gated op also reads gate and writes dgate:
+5·N·H).
 """
 
 from __future__ import annotations
@@ -36,62 +55,84 @@ from tigon.ops._launch import (
     rows_per_block,
     tigon_op,
 )
+from tigon.ops.gated import gate_activation
 
 CASTING_MODES = ("llama", "gemma")
 
 
 @triton.jit
 def rms_norm_fwd_kernel(
-    X, RESIDUAL, W, Y, SUM_OUT, RSTD,
+    X, RESIDUAL, GATE, W, Y, SUM_OUT, RSTD,
     n_rows, n_cols,
-    stride_x, stride_residual, stride_y, stride_sum,
+    stride_x, stride_residual, stride_gate, stride_y, stride_sum,
     eps, offset,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, LLAMA_CASTING: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, LLAMA_CASTING: tl.constexpr, ROUND_BEFORE_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Program (i, g) normalises columns [g·n_cols, (g + 1)·n_cols) of row block i; n_cols is the
+    # group's width (the whole row without groups, when the grid's second axis is 1).
+    group = tl.program_id(1)
+    n_groups = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
-    mask = row_mask[:, None] & (cols[None, :] < n_cols)
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
+    group_cols = group * n_cols + cols
 
-    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows64 * stride_x + group_cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(RESIDUAL + rows64 * stride_residual + cols[None, :], mask=mask, other=0.0)
+        residual = tl.load(RESIDUAL + rows64 * stride_residual + group_cols[None, :], mask=mask, other=0.0)
         # The sum is rounded to the storage dtype before normalising, exactly as the eager model.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(SUM_OUT + rows64 * stride_sum + cols[None, :], x, mask=mask)
+        tl.store(SUM_OUT + rows64 * stride_sum + group_cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
+    if HAS_GATE:
+        gate = tl.load(GATE + rows64 * stride_gate + group_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        silu_gate, _ = gate_activation(gate, "silu")
+        if not NORM_BEFORE_GATE:
+            x = x * silu_gate  # unrounded: the eager modules multiply the fp32 upcasts
 
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+    tl.store(RSTD + rows * n_groups + group, rstd, mask=row_mask)
     x_hat = x * rstd[:, None]
     if LLAMA_CASTING:
         x_hat = x_hat.to(Y.dtype.element_ty).to(tl.float32)
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+        w = tl.load(W + group_cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         x_hat = x_hat * w[None, :]
-    tl.store(Y + rows64 * stride_y + cols[None, :], x_hat.to(Y.dtype.element_ty), mask=mask)
+    if HAS_GATE and NORM_BEFORE_GATE:
+        if ROUND_BEFORE_GATE:
+            x_hat = x_hat.to(Y.dtype.element_ty).to(tl.float32)
+        x_hat = x_hat * silu_gate
+    tl.store(Y + rows64 * stride_y + group_cols[None, :], x_hat.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rms_norm_bwd_kernel(
-    X, W, RSTD, DY, DSUM, DX, DW_PARTIAL,
+    X, GATE, W, RSTD, DY, DSUM, DX, DGATE, DW_PARTIAL,
     n_rows, n_cols,
-    stride_x, stride_dy, stride_dsum, stride_dx,
+    stride_x, stride_gate, stride_dy, stride_dsum, stride_dx, stride_dgate, stride_dw,
     offset,
-    HAS_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, LLAMA_CASTING: tl.constexpr,
+    ROUND_BEFORE_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Persistent grid: program p handles row blocks p, p + P, p + 2P, ... and keeps its share of
     # dw in registers, so the weight gradient needs one small [P, H] reduction afterwards instead
-    # of atomics or a serial pass over the rows.
+    # of atomics or a serial pass over the rows. The grid's second axis is the group, as in forward.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    group = tl.program_id(1)
+    n_groups = tl.num_programs(1)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
+    group_cols = group * n_cols + cols
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        w = tl.load(W + group_cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
 
     for block_start in range(pid * BLOCK_M, n_rows, n_programs * BLOCK_M):
@@ -100,9 +141,28 @@ def rms_norm_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
 
-        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x = tl.load(X + rows64 * stride_x + group_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64 * stride_dy + group_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows * n_groups + group, mask=row_mask, other=0.0)
+        if HAS_GATE:
+            gate = tl.load(GATE + rows64 * stride_gate + group_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            silu_gate, silu_grad = gate_activation(gate, "silu")
+            if NORM_BEFORE_GATE:
+                # y = h · silu(gate): the gate's gradient takes h as forward multiplied it (with
+                # its roundings), and the norm below receives dh = dy · silu(gate).
+                h = x * rstd[:, None]
+                if LLAMA_CASTING:
+                    h = h.to(X.dtype.element_ty).to(tl.float32)
+                if HAS_WEIGHT:
+                    h = h * w[None, :]
+                if ROUND_BEFORE_GATE:
+                    h = h.to(X.dtype.element_ty).to(tl.float32)
+                dgate = dy * h * silu_grad
+                dy = dy * silu_gate
+            else:
+                # The norm acts on z = x · silu(gate); its gradient dz is split by the product rule below.
+                x_in = x
+                x = x * silu_gate
 
         x_hat = x * rstd[:, None]
         g = dy * w[None, :] if HAS_WEIGHT else dy
@@ -111,16 +171,87 @@ def rms_norm_bwd_kernel(
         mean_g_xhat = tl.sum(g * x_hat, axis=1) / n_cols
         dx = rstd[:, None] * (g - x_hat * mean_g_xhat[:, None])
         if HAS_DSUM:
-            dx += tl.load(DSUM + rows64 * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dx += tl.load(DSUM + rows64 * stride_dsum + group_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            if not NORM_BEFORE_GATE:
+                dgate = dx * x_in * silu_grad
+                dx = dx * silu_gate
+            tl.store(DGATE + rows64 * stride_dgate + group_cols[None, :], dgate.to(DGATE.dtype.element_ty), mask=mask)
+        tl.store(DX + rows64 * stride_dx + group_cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
     if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
+        tl.store(DW_PARTIAL + pid * stride_dw + group_cols, dw_acc, mask=col_mask)
+
+
+def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, group_size, norm_before_gate):
+    """Allocates ``y [N, H]``, the sum (empty without a residual) and ``rstd [N · groups]``, and
+    runs the forward kernel over ``[N, H]`` row views (unit column stride)."""
+    n_rows, n_cols = x2d.shape
+    n_groups = n_cols // group_size
+    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    rstd = torch.empty(n_rows * n_groups, dtype=torch.float32, device=x2d.device)
+    sum_out = torch.empty_like(y) if residual2d is not None else y.new_empty(0)
+    block_n, num_warps = row_launch_config(group_size, x2d.element_size())
+    block_m = rows_per_block(group_size)
+    rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m), n_groups)](
+        x2d, residual2d, gate2d, weight, y, sum_out, rstd,
+        n_rows, group_size,
+        x2d.stride(0), _row_stride(residual2d), _row_stride(gate2d), y.stride(0), _row_stride(sum_out),
+        eps, offset,
+        HAS_RESIDUAL=residual2d is not None, HAS_GATE=gate2d is not None, NORM_BEFORE_GATE=norm_before_gate,
+        HAS_WEIGHT=weight is not None, LLAMA_CASTING=casting_mode == "llama",
+        ROUND_BEFORE_GATE=_rounds_before_gate(x2d, weight, casting_mode),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, sum_out, rstd
+
+
+def _launch_bwd(dy2d, dsum2d, x2d, gate2d, weight, rstd, offset, casting_mode, group_size, norm_before_gate,
+                compute_dw):
+    """``dx [N, H]``, ``dgate [N, H]`` (empty without a gate) and ``dw [H]`` (empty unless
+    ``compute_dw``) from ``[N, H]`` row views."""
+    n_rows, n_cols = x2d.shape
+    n_groups = n_cols // group_size
+    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    dgate = torch.empty((n_rows, n_cols), dtype=gate2d.dtype, device=x2d.device) if gate2d is not None else dx.new_empty(0)
+    block_n = triton.next_power_of_2(group_size)
+    block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
+    programs = triton.cdiv(num_programs_for(x2d.device, programs_per_sm), n_groups)
+    n_programs = max(1, min(triton.cdiv(n_rows, block_m), programs))
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else None
+    rms_norm_bwd_kernel[(n_programs, n_groups)](
+        x2d, gate2d, weight, rstd, dy2d, dsum2d, dx, dgate, dw_partial,
+        n_rows, group_size,
+        x2d.stride(0), _row_stride(gate2d), dy2d.stride(0), _row_stride(dsum2d), dx.stride(0),
+        _row_stride(dgate), n_cols,
+        offset,
+        HAS_DSUM=dsum2d is not None, HAS_GATE=gate2d is not None, NORM_BEFORE_GATE=norm_before_gate,
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, LLAMA_CASTING=casting_mode == "llama",
+        ROUND_BEFORE_GATE=_rounds_before_gate(x2d, weight, casting_mode),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else x2d.new_empty(0)
+    return dx, dgate, dw
+
+
+def _row_stride(t: torch.Tensor | None) -> int:
+    return t.stride(0) if t is not None and t.dim() == 2 else 0
+
+
+def _rounds_before_gate(x: torch.Tensor, weight: torch.Tensor | None, casting_mode: str) -> bool:
+    """Whether ``w · x̂`` is rounded before the gate multiplies it: in Llama casting the eager
+    ``weight * x̂.to(input_dtype)`` is a tensor of the promoted dtype, the input's own when the
+    weight has it (Qwen3-Next's bf16 weight on bf16 activations), fp32 otherwise."""
+    return casting_mode == "llama" and weight is not None and weight.dtype == x.dtype
+
+
+def _n_rows(x: torch.Tensor) -> int:
+    n_cols = x.shape[-1]
+    return x.numel() // n_cols if n_cols else 0
 
 
 def _fwd_fake(x, residual, weight, eps, offset, casting_mode):
-    n_cols = x.shape[-1]
-    n_rows = x.numel() // n_cols if n_cols else 0
+    n_rows, n_cols = _n_rows(x), x.shape[-1]
     y = x.new_empty((n_rows, n_cols))
     sum_out = x.new_empty((n_rows, n_cols)) if residual is not None else x.new_empty(0)
     return y, sum_out, x.new_empty(n_rows, dtype=torch.float32)
@@ -134,31 +265,12 @@ def rms_norm_fwd(
     """``x, residual [..., H]`` → ``y [N, H]``, ``x + residual [N, H]`` (empty without a residual),
     ``rstd [N]`` fp32 (of the sum when a residual is given)."""
     x2d = as_rows(x)
-    n_rows, n_cols = x2d.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    if residual is not None:
-        residual2d = as_rows(residual)
-        sum_out = torch.empty_like(y)
-    else:
-        residual2d, sum_out = x2d, y.new_empty(0)
-    block_n, num_warps = row_launch_config(n_cols, x.element_size())
-    block_m = rows_per_block(n_cols)
-    rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x2d, residual2d, weight, y, sum_out, rstd,
-        n_rows, n_cols,
-        x2d.stride(0), residual2d.stride(0), y.stride(0), n_cols,
-        eps, offset,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        LLAMA_CASTING=casting_mode == "llama",
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
-    return y, sum_out, rstd
+    residual2d = as_rows(residual) if residual is not None else None
+    return _launch_fwd(x2d, residual2d, None, weight, eps, offset, casting_mode, x2d.shape[1], True)
 
 
 def _bwd_fake(dy, dsum, x, weight, rstd, offset, weight_requires_grad):
-    n_cols = x.shape[-1]
-    n_rows = x.numel() // n_cols if n_cols else 0
+    n_rows, n_cols = _n_rows(x), x.shape[-1]
     dw = x.new_empty(n_cols, dtype=weight.dtype) if weight is not None and weight_requires_grad else x.new_empty(0)
     return x.new_empty((n_rows, n_cols)), dw
 
@@ -170,25 +282,52 @@ def rms_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients ``dx [N, H]`` (including ``dsum``, the gradient arriving at ``x + residual``)
     and ``dw [H]`` (empty when the weight is absent or frozen)."""
-    x2d, dy2d = as_rows(x), as_rows(dy)
-    dsum2d = as_rows(dsum) if dsum is not None else dy2d
-    n_rows, n_cols = x2d.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    block_n = triton.next_power_of_2(n_cols)
-    block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
-    n_programs = max(1, min(triton.cdiv(n_rows, block_m), num_programs_for(x.device, programs_per_sm)))
-    compute_dw = weight is not None and weight_requires_grad
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if compute_dw else None
-    rms_norm_bwd_kernel[(n_programs,)](
-        x2d, weight, rstd, dy2d, dsum2d, dx, dw_partial,
-        n_rows, n_cols,
-        x2d.stride(0), dy2d.stride(0), dsum2d.stride(0), dx.stride(0),
-        offset,
-        HAS_DSUM=dsum is not None, HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    x2d = as_rows(x)
+    dsum2d = as_rows(dsum) if dsum is not None else None
+    # The backward recomputes x̂ unrounded in either casting mode, so the mode does not matter here.
+    dx, _, dw = _launch_bwd(
+        as_rows(dy), dsum2d, x2d, None, weight, rstd, offset, "gemma", x2d.shape[1], True,
+        weight is not None and weight_requires_grad,
     )
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else x.new_empty(0)
     return dx, dw
+
+
+def _gated_fwd_fake(x, gate, weight, eps, group_size, norm_before_gate, casting_mode):
+    n_rows, n_cols = _n_rows(x), x.shape[-1]
+    return x.new_empty((n_rows, n_cols)), x.new_empty(n_rows * (n_cols // group_size), dtype=torch.float32)
+
+
+@tigon_op("rms_norm_gated_fwd", fake=_gated_fwd_fake)
+def rms_norm_gated_fwd(
+    x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    group_size: int, norm_before_gate: bool, casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x, gate [..., H]`` → ``y [N, H]`` in ``x.dtype`` and ``rstd [N · H / group_size]`` fp32
+    (row-major over rows, then groups)."""
+    gate2d = as_rows(gate) if gate is not None else None
+    y, _, rstd = _launch_fwd(as_rows(x), None, gate2d, weight, eps, 0.0, casting_mode, group_size, norm_before_gate)
+    return y, rstd
+
+
+def _gated_bwd_fake(dy, x, gate, weight, rstd, group_size, norm_before_gate, casting_mode, weight_requires_grad):
+    n_rows, n_cols = _n_rows(x), x.shape[-1]
+    dgate = gate.new_empty((n_rows, n_cols)) if gate is not None else x.new_empty(0)
+    dw = x.new_empty(n_cols, dtype=weight.dtype) if weight is not None and weight_requires_grad else x.new_empty(0)
+    return x.new_empty((n_rows, n_cols)), dgate, dw
+
+
+@tigon_op("rms_norm_gated_bwd", fake=_gated_bwd_fake)
+def rms_norm_gated_bwd(
+    dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, rstd: torch.Tensor,
+    group_size: int, norm_before_gate: bool, casting_mode: str, weight_requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dx [N, H]``, ``dgate [N, H]`` (empty without a gate) and ``dw [H]`` (empty when
+    the weight is absent or frozen)."""
+    gate2d = as_rows(gate) if gate is not None else None
+    return _launch_bwd(
+        as_rows(dy), None, as_rows(x), gate2d, weight, rstd, 0.0, casting_mode, group_size, norm_before_gate,
+        weight is not None and weight_requires_grad,
+    )
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -215,6 +354,30 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dx if ctx.has_residual else None, dw if weight_requires_grad else None, None, None, None
 
 
+class RMSNormGatedFunction(torch.autograd.Function):
+    """Saves ``x``, ``gate`` and ``rstd``; the normalised row and ``silu(gate)`` are recomputed in
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps, group_size, norm_before_gate, casting_mode):
+        y, rstd = rms_norm_gated_fwd(x, gate, weight, eps, group_size, norm_before_gate, casting_mode)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.options = (group_size, norm_before_gate, casting_mode)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, weight, rstd = ctx.saved_tensors
+        weight_requires_grad = weight is not None and ctx.needs_input_grad[2]
+        dx, dgate, dw = rms_norm_gated_bwd(dy, x, gate, weight, rstd, *ctx.options, weight_requires_grad)
+        return (
+            dx.view(dy.shape),
+            dgate.view(dy.shape) if gate is not None and ctx.needs_input_grad[1] else None,
+            dw if weight_requires_grad else None,
+            None, None, None, None,
+        )
+
+
 def rms_norm(x, weight, eps, offset, casting_mode):
     """``x [..., H]`` → ``y [..., H]``; inputs validated by :mod:`tigon.functional`."""
     return RMSNormFunction.apply(x, None, weight, eps, offset, casting_mode)
@@ -223,3 +386,9 @@ def rms_norm(x, weight, eps, offset, casting_mode):
 def fused_add_rms_norm(x, residual, weight, eps, offset, casting_mode):
     """``(rms_norm(x + residual), x + residual)``; inputs validated by :mod:`tigon.functional`."""
     return RMSNormFunction.apply(x, residual, weight, eps, offset, casting_mode)
+
+
+def rms_norm_gated(x, gate, weight, eps, group_size, norm_before_gate, casting_mode):
+    """RMSNorm of ``x [..., H]`` gated by ``silu(gate)`` (``gate`` may be ``None``), per group of
+    ``group_size`` features; inputs validated by :mod:`tigon.functional`."""
+    return RMSNormGatedFunction.apply(x, gate, weight, eps, group_size, norm_before_gate, casting_mode)

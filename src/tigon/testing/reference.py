@@ -34,8 +34,33 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_m
     return rms_norm(summed, weight, eps, offset, casting_mode), summed
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5):
+def rms_norm_gated(x, gate, weight=None, eps=1e-6, group_size=None, norm_before_gate=True, casting_mode="llama"):
+    """Qwen3-Next's ``Qwen3NextRMSNormGated`` ("llama", norm before gate), Falcon-H1's
+    ``FalconH1RMSNormGated`` ("gemma", ``group_size = H / n_groups``) and Mamba2's
+    ``MambaRMSNormGated`` ("llama", gate before norm) in one, with their casts: the gate's
+    product in fp32, and in "llama" casting ``weight * x̂.to(x.dtype)`` in torch's promoted dtype."""
     compute = _compute_dtype(x.dtype)
+    xf = x.to(compute)
+    silu_gate = None if gate is None else F.silu(gate.to(compute))
+    if silu_gate is not None and not norm_before_gate:
+        xf = xf * silu_gate
+    groups = xf.unflatten(-1, (-1, group_size or x.shape[-1]))
+    x_hat = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    if casting_mode == "llama":
+        x_hat = x_hat.to(x.dtype)
+        y = x_hat if weight is None else weight * x_hat
+    else:
+        y = x_hat if weight is None else x_hat * weight.to(compute)
+    if silu_gate is not None and norm_before_gate:
+        y = y * silu_gate
+    return y.to(x.dtype)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, offset=0.0):
+    """``F.layer_norm``; ``offset`` is added to the weight in its dtype (Nemotron's ``weight + 1``)."""
+    compute = _compute_dtype(x.dtype)
+    if weight is not None and offset:
+        weight = weight + offset
     out = F.layer_norm(
         x.to(compute), x.shape[-1:],
         None if weight is None else weight.to(compute),
