@@ -37,6 +37,8 @@ __all__ = [
     "rope",
     "swiglu",
     "geglu",
+    "relu2",
+    "swiglu_clamped",
     "swiglu_linear",
     "geglu_linear",
     "swiglu_mlp",
@@ -245,6 +247,53 @@ def geglu(gate, up, *, inplace_backward=False):
     """
     _check_gated_args(gate, up, inplace_backward)
     return _gated.geglu(gate, up, bool(inplace_backward))
+
+
+def relu2(x, *, inplace_backward=False):
+    """``relu(x)²``, the squared ReLU of Nemotron's MLP (Hugging Face's ``ACT2FN["relu2"]``).
+
+    Backward, ``2·relu(x)·dout``, recomputes from ``x`` (nothing else is saved); NaN propagates
+    as through ``torch.relu``.
+
+    Args:
+        x: ``[...]``, any layout.
+        inplace_backward: when True, the backward overwrites ``x`` with its gradient, which saves
+            an ``[..., I]`` buffer. Only valid when nothing else uses ``x`` afterwards, as the up
+            projection's output inside an MLP.
+    Returns the same shape and dtype.
+    """
+    check_tensor("x", x)
+    return _gated.relu2(x, bool(inplace_backward))
+
+
+def swiglu_clamped(gate_up, *, alpha=1.702, limit=7.0, inplace_backward=False):
+    """GPT-OSS's clamped SwiGLU (``GptOssExperts._apply_gate``) on interleaved gate/up columns.
+
+    With ``gate = gate_up[..., ::2]`` and ``up = gate_up[..., 1::2]``::
+
+        gate = clamp(gate, max=limit),   up = clamp(up, −limit, limit)
+        out  = (up + 1) · gate · sigmoid(alpha · gate)
+
+    in fp32, rounded once (the eager module rounds each step in a 16-bit dtype). Gradients follow
+    ``torch.clamp``'s: zero where an input lies outside the limits, passing where it equals them.
+
+    Args:
+        gate_up: ``[..., 2I]``, any row stride.
+        alpha, limit: GPT-OSS's 1.702 and 7.0 by default; ``limit > 0``.
+        inplace_backward: when True, the backward writes the gradient of ``gate_up`` over it
+            (interleaved like it), as :func:`swiglu`.
+    Returns ``[..., I]`` in ``gate_up.dtype``.
+    """
+    check_tensor("gate_up", gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"gate_up must have an even last dimension (interleaved gate and up columns), got shape {tuple(gate_up.shape)}"
+        )
+    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha)):
+        raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+    if not (isinstance(limit, (int, float)) and limit > 0):
+        raise ValueError(f"limit must be a number > 0, got {limit!r}")
+    return _gated.swiglu_clamped(gate_up, float(alpha), float(limit), bool(inplace_backward))
 
 
 def _check_gated_linear_args(gate, up, weight, bias, inplace_backward):

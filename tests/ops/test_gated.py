@@ -1,12 +1,15 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn as tnn
-from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
+from tigon.ops import gated as gated_ops
+from utils import DEVICE, DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
     cpu=[(7, 33), (3, 5, 128), (300, 40), (9, 2500)],
@@ -329,3 +332,227 @@ def test_gated_mlp_bad_weights_are_named():
         tf.geglu_mlp(x, gate_weight, up_weight, down_weight.T)
     with pytest.raises(TypeError, match="x torch.float32, gate_weight torch.float32, up_weight torch.bfloat16"):
         tf.swiglu_mlp(x, gate_weight, up_weight.bfloat16(), down_weight)
+
+
+# --- Squared ReLU (Nemotron) -----------------------------------------------------------------
+
+
+def _relu2_input(shape, dtype, layout):
+    x = _transposed(shape, dtype) if layout == "transposed" else randn(*shape, dtype=dtype)
+    x[..., ::7] = 0.0  # exact zeros, where relu's gradient is 0
+    return x.requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_relu2(shape, dtype, layout):
+    x = _relu2_input(shape, dtype, layout)
+    (x64,) = leaf_copies(x)
+    out, truth = tf.relu2(x), reference.relu2(x64)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, truth, dtype, "output")
+    dout = randn(*shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    assert_close(x.grad, x64.grad, dtype, "grad of x")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu2_matches_hugging_face(dtype):
+    """ACT2FN["relu2"] itself: relu is exact and the square one rounding, in both; so is the
+    gradient 2·relu(x)·dout, so outputs and gradients agree bit for bit in every dtype."""
+    from transformers.activations import ACT2FN
+
+    x = _relu2_input(SHAPES[1], dtype, "contiguous")
+    out, expected = tf.relu2(x), ACT2FN["relu2"](x)
+    assert torch.equal(out, expected)
+    dout = randn(*SHAPES[1], dtype=dtype)
+    assert torch.equal(*(torch.autograd.grad(y, x, dout)[0] for y in (out, expected)))
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0, 7), (17,)])
+def test_relu2_degenerate_shapes(shape):
+    x = randn(*shape, requires_grad=True)
+    out = tf.relu2(x)
+    out.backward(torch.ones_like(out))
+    assert out.shape == x.shape and torch.equal(x.grad, 2 * x.detach().relu())
+
+
+def test_relu2_inplace_backward_reuses_input():
+    x = randn(*SHAPES[1], dtype=torch.bfloat16, requires_grad=True)
+    dout = randn(*SHAPES[1], dtype=torch.bfloat16)
+    expected = torch.autograd.grad(tf.relu2(x), x, dout)[0]
+    pointer = x.data_ptr()
+    (dx,) = torch.autograd.grad(tf.relu2(x, inplace_backward=True), x, dout)
+    assert dx.data_ptr() == pointer and torch.equal(dx, expected)
+
+
+def test_relu2_non_finite_inputs_propagate():
+    x = randn(4, 64, requires_grad=True)
+    with torch.no_grad():
+        x[0, 3], x[1, 7], x[2, 9] = float("nan"), float("inf"), -float("inf")
+    out = tf.relu2(x)
+    expected = reference.relu2(x.detach().double())
+    assert_close(out, expected, torch.float32, "output")
+    out.backward(torch.ones_like(out))
+    # torch: NaN and inf pass through relu, -inf gives 0; the gradient 2·relu(x) likewise.
+    assert x.grad[0, 3].isnan() and x.grad[1, 7].isinf() and x.grad[2, 9] == 0
+
+
+# --- GPT-OSS's clamped SwiGLU ------------------------------------------------------------------
+
+LIMIT = 7.0
+
+
+def _gate_up(shape, dtype, layout="contiguous"):
+    """``gate_up [..., 2I]`` spread past the limits (scale 5: about 16% of the gates above 7 and a
+    third of the ups outside ±7), with some entries exactly at ±limit, where torch.clamp passes
+    the gradient."""
+    *lead, inter = shape
+    wide = 2 * inter + (6 if layout == "strided" else 0)
+    gate_up = randn(*lead, wide, scale=5.0)
+    flat = gate_up.view(-1)
+    flat[::11], flat[5::13], flat[2::17] = LIMIT, -LIMIT, LIMIT
+    gate_up = gate_up.to(dtype)
+    if layout == "strided":
+        gate_up = gate_up[..., 4 : 4 + 2 * inter]  # rows of a wider buffer, read in place
+    return gate_up.requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_swiglu_clamped(shape, dtype, layout):
+    gate_up = _gate_up(shape, dtype, layout)
+    (gate_up64,) = leaf_copies(gate_up)
+    out, truth = tf.swiglu_clamped(gate_up), reference.swiglu_clamped(gate_up64)
+    assert out.dtype == dtype and out.shape == shape
+    assert_close(out, truth, dtype, "output")
+    dout = randn(*shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    assert_close(gate_up.grad, gate_up64.grad, dtype, "grad of gate_up")
+
+
+def test_swiglu_clamped_gradient_at_the_limits():
+    """torch.clamp's convention: the gradient passes where the input equals a limit and is exactly
+    zero beyond it, as autograd through the reference computes."""
+    gate = torch.tensor([LIMIT, LIMIT + 1e-3, -50.0, 1.0, 1.0, 1.0, 1.0], device=DEVICE)
+    up = torch.tensor([0.5, 0.5, 0.5, LIMIT, -LIMIT, LIMIT + 1e-3, -LIMIT - 1e-3], device=DEVICE)
+    gate_up = torch.stack((gate, up), dim=-1).flatten().requires_grad_()
+    (gate_up64,) = leaf_copies(gate_up)
+    tf.swiglu_clamped(gate_up).sum().backward()
+    reference.swiglu_clamped(gate_up64).sum().backward()
+    assert_close(gate_up.grad, gate_up64.grad, torch.float32, "grad of gate_up")
+    d_gate, d_up = gate_up.grad[0::2], gate_up.grad[1::2]
+    assert d_gate[0] != 0 and d_gate[1] == 0 and d_gate[2] != 0
+    assert d_up[3] != 0 and d_up[4] != 0 and d_up[5] == 0 and d_up[6] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_clamped_matches_hugging_face(dtype):
+    """GptOssExperts._apply_gate itself. In fp32 within the tolerance; in 16-bit dtypes the module
+    rounds each of its six steps while tigon rounds once, so it is the module that strays from
+    the fp64 truth: both are checked against it, tigon at the dtype's tolerance and the module at
+    twice that, and the two agree within the sum."""
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    shape = pick(cpu=(3, 5, 72), gpu=(4, 1024, 2880))
+    config = GptOssConfig(hidden_size=8, intermediate_size=shape[-1], num_local_experts=2)
+    experts = GptOssExperts(config).to(DEVICE)
+    gate_up = _gate_up(shape, dtype)
+    (gate_up64,) = leaf_copies(gate_up)
+    out, expected = tf.swiglu_clamped(gate_up, alpha=experts.alpha, limit=experts.limit), experts._apply_gate(gate_up)
+    truth = reference.swiglu_clamped(gate_up64, experts.alpha, experts.limit)
+    factor = 1.0 if dtype == torch.float32 else 2.0
+    assert_close(out, truth, dtype, "output")
+    assert_close(expected, truth, dtype, "the module's output", factor)
+    assert_close(out, expected, dtype, "output against the module", 1.0 + factor)
+    dout = randn(*shape, dtype=dtype)
+    grad, expected_grad = (torch.autograd.grad(y, gate_up, dout)[0] for y in (out, expected))
+    (truth_grad,) = torch.autograd.grad(truth, gate_up64, dout.double())
+    assert_close(grad, truth_grad, dtype, "grad of gate_up")
+    assert_close(grad, expected_grad, dtype, "grad of gate_up against the module", 1.0 + factor)
+
+
+def test_swiglu_clamped_options_and_inplace_backward():
+    gate_up = _gate_up(SHAPES[1], torch.float32)
+    (gate_up64,) = leaf_copies(gate_up)
+    out = tf.swiglu_clamped(gate_up, alpha=1.0, limit=3.0)
+    truth = reference.swiglu_clamped(gate_up64, 1.0, 3.0)
+    assert_close(out, truth, torch.float32, "output")
+    dout = randn(*out.shape)
+    expected = torch.autograd.grad(out, gate_up, dout)[0]
+    pointer = gate_up.data_ptr()
+    (d_gate_up,) = torch.autograd.grad(tf.swiglu_clamped(gate_up, alpha=1.0, limit=3.0, inplace_backward=True), gate_up, dout)
+    assert d_gate_up.data_ptr() == pointer and torch.equal(d_gate_up, expected)
+    assert_close(d_gate_up, torch.autograd.grad(truth, gate_up64, dout.double())[0], torch.float32, "grad of gate_up")
+
+
+def test_swiglu_clamped_non_finite_inputs():
+    # As torch.clamp: NaN propagates to the output and gets a zero gradient; inf is clamped.
+    gate_up = randn(2, 16, requires_grad=True)
+    with torch.no_grad():
+        gate_up[0, 2], gate_up[0, 5], gate_up[1, 0], gate_up[1, 3] = float("nan"), float("nan"), float("inf"), -float("inf")
+    (gate_up64,) = leaf_copies(gate_up)
+    out, truth = tf.swiglu_clamped(gate_up), reference.swiglu_clamped(gate_up64)
+    assert_close(out, truth, torch.float32, "output")
+    dout = randn(*out.shape)
+    out.backward(dout)
+    truth.backward(dout.double())
+    assert_close(gate_up.grad, gate_up64.grad, torch.float32, "grad of gate_up")
+
+
+def test_swiglu_clamped_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"gate_up must have an even last dimension .* got shape \(3, 5\)"):
+        tf.swiglu_clamped(randn(3, 5))
+    with pytest.raises(ValueError, match=r"limit must be a number > 0, got -1.0"):
+        tf.swiglu_clamped(randn(3, 4), limit=-1.0)
+    with pytest.raises(ValueError, match=r"alpha must be a finite number, got nan"):
+        tf.swiglu_clamped(randn(3, 4), alpha=float("nan"))
+
+
+@triton.jit
+def _fused_consumer_kernel(GATE, UP, OUT, n, alpha, limit, BLOCK: tl.constexpr):
+    # Another kernel calling the helper on tiles it loaded itself (gate and up in separate
+    # tensors here), as a fused MoE kernel will.
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    gate = tl.load(GATE + offsets, mask=mask).to(tl.float32)
+    up = tl.load(UP + offsets, mask=mask).to(tl.float32)
+    tl.store(OUT + offsets, gated_ops.swiglu_clamped_math(gate, up, alpha, limit), mask=mask)
+
+
+def test_swiglu_clamped_math_is_callable_from_another_kernel():
+    gate, up = randn(37, scale=5.0), randn(37, scale=5.0)
+    out = torch.empty_like(gate)
+    _fused_consumer_kernel[(1,)](gate, up, out, 37, 1.702, LIMIT, BLOCK=64)
+    expected = reference.swiglu_clamped(torch.stack((gate, up), dim=-1).flatten().double())
+    assert_close(out, expected, torch.float32, "output")
+
+
+def test_swiglu_clamped_and_relu2_custom_ops_fake_matches_real():
+    checks = ("test_schema", "test_faketensor")
+    gate_up = randn(6, 40, dtype=torch.bfloat16)[:, 4:36]
+    torch.library.opcheck(gated_ops.swiglu_clamped_fwd.op, (gate_up, 1.702, LIMIT), test_utils=checks)
+    dout = randn(6, 16, dtype=torch.bfloat16)
+    torch.library.opcheck(gated_ops.swiglu_clamped_bwd.op, (dout, gate_up, 1.702, LIMIT), test_utils=checks)
+    x = randn(6, 40, dtype=torch.bfloat16)[:, :33]
+    torch.library.opcheck(gated_ops.relu2_fwd.op, (x,), test_utils=checks)
+    torch.library.opcheck(gated_ops.relu2_bwd.op, (randn(6, 33, dtype=torch.bfloat16), x), test_utils=checks)
+
+
+@pytest.mark.parametrize("op_name", ["relu2", "swiglu_clamped"])
+def test_relu2_and_swiglu_clamped_compile_without_graph_breaks(op_name):
+    op, truth_op = getattr(tf, op_name), getattr(reference, op_name)
+    x = _gate_up(SHAPES[1], torch.float32) if op_name == "swiglu_clamped" else _relu2_input(SHAPES[1], torch.float32, "contiguous")
+    (x64,) = leaf_copies(x)
+    # Off the GPU, aot_eager traces through the fake functions without needing a C++ toolchain.
+    compiled = torch.compile(lambda x: op(x * 2.0).square(), fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    out, truth = compiled(x), truth_op(x64 * 2.0).square()
+    assert_close(out, truth, torch.float32, "output")
+    out.sum().backward()
+    truth.sum().backward()
+    assert_close(x.grad, x64.grad, torch.float32, "grad of the input")

@@ -110,6 +110,7 @@ def _liger() -> OpTable:
         "rope": lambda a: lf.liger_rope(a["q"], a["k"], a["cos"], a["sin"]),
         "swiglu": lambda a: lf.liger_swiglu(a["gate"], a["up"]),
         "geglu": lambda a: lf.liger_geglu(a["gate"], a["up"]),
+        "relu2": lambda a: lf.liger_relu_squared(a["x"]),
         "cross_entropy": lambda a: lf.liger_cross_entropy(a["logits"], a["target"]),
         "fused_linear_cross_entropy": lambda a: lf.liger_fused_linear_cross_entropy(
             a["input"], a["weight"], a["target"]

@@ -126,6 +126,18 @@ def _gated_case(dims, dtype, device):
     return Case(args, (_randn(shape, dtype, device),))
 
 
+def _activation_case(dims, dtype, device):
+    shape = (dims["rows"], dims["I"])
+    return Case({"x": _randn(shape, dtype, device, True)}, (_randn(shape, dtype, device),))
+
+
+def _interleaved_gated_case(dims, dtype, device):
+    # Spread past GPT-OSS's limit of 7 (scale 4: ~8% of the gates, a sixth of the ups are clamped).
+    rows, inter = dims["rows"], dims["I"]
+    args = {"gate_up": _randn((rows, 2 * inter), dtype, device, True, scale=4.0)}
+    return Case(args, (_randn((rows, inter), dtype, device),))
+
+
 def _cross_entropy_case(dims, dtype, device):
     rows, vocab = dims["rows"], dims["V"]
     args = {
@@ -376,6 +388,26 @@ OPS: dict[str, OpSpec] = {
                 ("swiglu", lambda f, a: f.swiglu(a["gate"], a["up"])),
                 ("geglu", lambda f, a: f.geglu(a["gate"], a["up"])),
             )
+        ),
+        # GPT-OSS's clamped SwiGLU on the interleaved [rows, 2I] projection, at its expert width
+        # 2880: 32768 rows are 8192 tokens routed to 4 experts each. Traffic as the gates above.
+        OpSpec(
+            "swiglu_clamped", "gate_up [{rows}, 2·{I}] interleaved",
+            sweep=Sweep("rows", (8192, 16384, 32768, 65536), 32768, {"I": 2880}),
+            smoke=Sweep("rows", (24, 48), 48, {"I": 96}),
+            build=_interleaved_gated_case,
+            call=lambda f, a: f.swiglu_clamped(a["gate_up"]),
+            work=_tensor_passes(_elements("rows", "I"), 3, 5),
+        ),
+        # Nemotron's squared ReLU: forward reads x, writes the output; backward reads x and the
+        # output gradient, writes dx.
+        OpSpec(
+            "relu2", "x [{rows}, {I}]",
+            sweep=Sweep("I", (4096, 8192, 16384, 24576), 16384, {"rows": 16384}),
+            smoke=Sweep("I", (96, 256), 256, {"rows": 48}),
+            build=_activation_case,
+            call=lambda f, a: f.relu2(a["x"]),
+            work=_tensor_passes(_elements("rows", "I"), 2, 3),
         ),
         # Three passes over the logits: the logsumexp must be known before any gradient element
         # (softmax − one-hot) can be written, and a row of 32K-262K logits does not stay on chip,

@@ -1,4 +1,6 @@
-"""Gated activations of an MLP: SwiGLU ``silu(gate) · up`` and GeGLU ``gelu_tanh(gate) · up``.
+"""Activations of an MLP: SwiGLU ``silu(gate) · up``, GeGLU ``gelu_tanh(gate) · up``, GPT-OSS's
+clamped SwiGLU and Nemotron's squared ReLU ``relu(x)²`` (an ungated MLP's activation, here for the
+elementwise machinery it shares with the gates).
 
 Both activations have the form ``act(g) = g · σ(z(g))``:
 
@@ -34,10 +36,26 @@ nothing but its inputs, saved by a separate identity function before any matmul 
 :class:`GatedMLPInputsFunction`); its backward recomputes ``gate`` and ``up`` per slice of the
 intermediate dimension.
 
+GPT-OSS's clamped SwiGLU reads ``gate_up [..., 2I]`` with gate and up interleaved (even and odd
+columns), clamps ``ĝ = min(gate, L)`` and ``û = clamp(up, −L, L)``, and computes
+``out = (û + 1) · ĝ · σ(α·ĝ)``: the activation above with ``z(g) = α·g``, so::
+
+    d_gate = dout · (û + 1) · s·(1 + α·ĝ·(1 − s))  where gate ≤ L, else 0        s = σ(α·ĝ)
+    d_up   = dout · ĝ · s                          where −L ≤ up ≤ L, else 0
+
+(``torch.clamp``'s gradient: zero outside the limits, passing at them). The math lives in
+:func:`swiglu_clamped_math` and :func:`swiglu_clamped_grads`, ``@triton.jit`` helpers on fp32
+tiles that a fused kernel (a MoE's expert MLP) calls on its own tiles.
+
+The squared ReLU ``out = relu(x)²`` has ``dx = dout · 2·relu(x)``; its backward recomputes from
+``x`` and may overwrite it, like the gates' ``inplace_backward``.
+
 Shapes: ``gate, up [...]`` of one shape and dtype (fp32/bf16/fp16), handled as ``[rows, cols]``
 row views (any row stride, e.g. the two halves of a fused gate/up projection, read in place);
 math in fp32, one rounding on store. Bytes per call (the roofline): forward reads gate and up and
-writes out (3 tensors), backward reads gate, up, dout and writes d_gate, d_up (5 tensors).
+writes out (3 tensors), backward reads gate, up, dout and writes d_gate, d_up (5 tensors); the
+clamped SwiGLU moves the same (``gate_up`` counts twice); the squared ReLU reads x and writes out
+(2), then reads x and dout and writes dx (3).
 """
 
 from __future__ import annotations
@@ -115,6 +133,101 @@ def gated_bwd_kernel(
     tl.store(DGATE + rows * stride_dgate + cols, (dout * up * act_grad).to(DGATE.dtype.element_ty), mask=mask)
     if STORE_OUT:
         tl.store(DOUT + rows * stride_dout + cols, (act * up).to(DOUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_clamped_math(gate, up, alpha, limit):
+    """GPT-OSS's clamped SwiGLU on fp32 tiles: ``(û + 1)·ĝ·σ(α·ĝ)`` with ``ĝ = min(gate, limit)``
+    and ``û = clamp(up, −limit, limit)``. NaN propagates, as through ``torch.clamp`` (a comparison
+    with NaN is false, so the value is kept)."""
+    gate_c = tl.where(gate > limit, limit, gate)
+    up_c = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    return (up_c + 1.0) * (gate_c * tl.sigmoid(alpha * gate_c))
+
+
+@triton.jit
+def swiglu_clamped_grads(gate, up, dout, alpha, limit):
+    """``(d_gate, d_up, out)`` of :func:`swiglu_clamped_math` for the incoming gradient ``dout``
+    (fp32 tiles). A clamped input gets exactly 0, whatever ``dout`` holds, as from ``torch.clamp``."""
+    gate_c = tl.where(gate > limit, limit, gate)
+    up_c = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    s = tl.sigmoid(alpha * gate_c)
+    glu = gate_c * s
+    # d(ĝ·σ(α·ĝ))/dĝ = s + ĝ·α·s·(1 − s): the derivative of g·σ(z(g)) with z' = α (module docstring).
+    d_gate = tl.where(gate <= limit, dout * (up_c + 1.0) * s * (1.0 + alpha * gate_c * (1.0 - s)), 0.0)
+    d_up = tl.where((up >= -limit) & (up <= limit), dout * glu, 0.0)
+    return d_gate, d_up, (up_c + 1.0) * glu
+
+
+@triton.jit
+def _pair_offsets(rows, cols, stride):
+    """Offsets ``[BLOCK_M, BLOCK_N, 2]`` of the interleaved (gate, up) pairs of output columns
+    ``cols``: one contiguous load of both, split afterwards."""
+    pair = tl.arange(0, 2)
+    return (rows * stride + 2 * cols)[:, :, None] + pair[None, None, :]
+
+
+@triton.jit
+def swiglu_clamped_fwd_kernel(
+    GATE_UP, OUT,
+    n_rows, n_cols,
+    stride_gate_up, stride_out,
+    alpha, limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    pair_mask = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+    gate_up = tl.load(GATE_UP + _pair_offsets(rows, cols, stride_gate_up), mask=pair_mask, other=0.0)
+    gate, up = tl.split(gate_up.to(tl.float32))
+    out = swiglu_clamped_math(gate, up, alpha, limit)
+    tl.store(OUT + rows * stride_out + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def swiglu_clamped_bwd_kernel(
+    GATE_UP, DOUT, D_GATE_UP,
+    n_rows, n_cols,
+    stride_gate_up, stride_dout, stride_d_gate_up,
+    alpha, limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # D_GATE_UP may be GATE_UP itself: each pair is loaded before its gradient is stored over it.
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    pair_mask = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
+    gate_up = tl.load(GATE_UP + _pair_offsets(rows, cols, stride_gate_up), mask=pair_mask, other=0.0)
+    gate, up = tl.split(gate_up.to(tl.float32))
+    dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+    d_gate, d_up, _ = swiglu_clamped_grads(gate, up, dout, alpha, limit)
+    d_gate_up = tl.join(d_gate, d_up).to(D_GATE_UP.dtype.element_ty)
+    tl.store(D_GATE_UP + _pair_offsets(rows, cols, stride_d_gate_up), d_gate_up, mask=pair_mask)
+
+
+@triton.jit
+def relu2_fwd_kernel(
+    X, OUT,
+    n_rows, n_cols,
+    stride_x, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    relu = tl.where(x < 0.0, 0.0, x)  # NaN is kept, as by torch.relu
+    tl.store(OUT + rows * stride_out + cols, (relu * relu).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def relu2_bwd_kernel(
+    X, DOUT, DX,
+    n_rows, n_cols,
+    stride_x, stride_dout, stride_dx,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # DX may be X itself: every element is loaded before its gradient is stored over it.
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+    relu = tl.where(x < 0.0, 0.0, x)
+    tl.store(DX + rows * stride_dx + cols, (2.0 * relu * dout).to(DX.dtype.element_ty), mask=mask)
 
 
 def _launch_config(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
@@ -198,6 +311,100 @@ def gated_bwd_recompute(
     return (gate.new_empty(0), up.new_empty(0)) if inplace else (d_gate, d_up)
 
 
+def _swiglu_clamped_fwd_fake(gate_up, alpha, limit):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@tigon_op("swiglu_clamped_fwd", fake=_swiglu_clamped_fwd_fake)
+def swiglu_clamped_fwd(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``gate_up [N, 2I]`` row view (unit column stride, interleaved) → ``out [N, I]``, contiguous."""
+    n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((n_rows, n_cols))
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    swiglu_clamped_fwd_kernel[grid](
+        gate_up, out,
+        n_rows, n_cols,
+        gate_up.stride(0), out.stride(0),
+        alpha, limit,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out
+
+
+def _launch_swiglu_clamped_bwd(dout, gate_up, d_gate_up, alpha, limit):
+    n_rows, n_cols = dout.shape
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    swiglu_clamped_bwd_kernel[grid](
+        gate_up, dout, d_gate_up,
+        n_rows, n_cols,
+        gate_up.stride(0), dout.stride(0), d_gate_up.stride(0),
+        alpha, limit,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+
+
+def _swiglu_clamped_bwd_fake(dout, gate_up, alpha, limit):
+    return gate_up.new_empty(gate_up.shape)
+
+
+@tigon_op("swiglu_clamped_bwd", fake=_swiglu_clamped_bwd_fake)
+def swiglu_clamped_bwd(dout: torch.Tensor, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``dout [N, I]``, ``gate_up [N, 2I]`` row views → ``d_gate_up [N, 2I]`` (interleaved), new and contiguous."""
+    d_gate_up = gate_up.new_empty(gate_up.shape)
+    _launch_swiglu_clamped_bwd(dout, gate_up, d_gate_up, alpha, limit)
+    return d_gate_up
+
+
+@tigon_op("swiglu_clamped_bwd_inplace", mutates_args=("gate_up",))
+def swiglu_clamped_bwd_inplace(dout: torch.Tensor, gate_up: torch.Tensor, alpha: float, limit: float) -> None:
+    """As :func:`swiglu_clamped_bwd`, but ``d_gate_up`` overwrites ``gate_up``."""
+    _launch_swiglu_clamped_bwd(dout, gate_up, gate_up, alpha, limit)
+
+
+def _relu2_fwd_fake(x):
+    return x.new_empty(x.shape)
+
+
+@tigon_op("relu2_fwd", fake=_relu2_fwd_fake)
+def relu2_fwd(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, I]`` row view (unit column stride) → ``relu(x)² [N, I]``, contiguous."""
+    n_rows, n_cols = x.shape
+    out = x.new_empty((n_rows, n_cols))
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    relu2_fwd_kernel[grid](
+        x, out, n_rows, n_cols, x.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out
+
+
+def _launch_relu2_bwd(dout, x, dx):
+    n_rows, n_cols = x.shape
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    relu2_bwd_kernel[grid](
+        x, dout, dx, n_rows, n_cols, x.stride(0), dout.stride(0), dx.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+
+
+def _relu2_bwd_fake(dout, x):
+    return x.new_empty(x.shape)
+
+
+@tigon_op("relu2_bwd", fake=_relu2_bwd_fake)
+def relu2_bwd(dout: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dout, x [N, I]`` row views → ``dx [N, I]``, new and contiguous."""
+    dx = x.new_empty(x.shape)
+    _launch_relu2_bwd(dout, x, dx)
+    return dx
+
+
+@tigon_op("relu2_bwd_inplace", mutates_args=("x",))
+def relu2_bwd_inplace(dout: torch.Tensor, x: torch.Tensor) -> None:
+    """As :func:`relu2_bwd`, but ``dx`` overwrites ``x``."""
+    _launch_relu2_bwd(dout, x, x)
+
+
 class GatedFunction(torch.autograd.Function):
     """Saves ``gate`` and ``up`` as ``[rows, cols]`` views; ``act(gate)`` is recomputed in backward.
 
@@ -230,6 +437,54 @@ class GatedFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+class SwiGLUClampedFunction(torch.autograd.Function):
+    """Saves ``gate_up`` as a ``[rows, 2I]`` view (see :class:`GatedFunction` on why here); the
+    activation is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up, alpha, limit, inplace_backward):
+        gate_up_rows = as_rows(gate_up)
+        out = swiglu_clamped_fwd(gate_up_rows, alpha, limit)
+        ctx.save_for_backward(gate_up_rows)
+        ctx.alpha, ctx.limit, ctx.inplace_backward = alpha, limit, inplace_backward
+        return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (gate_up_rows,) = ctx.saved_tensors
+        dout_rows = as_rows(dout)
+        if ctx.inplace_backward:
+            swiglu_clamped_bwd_inplace(dout_rows, gate_up_rows, ctx.alpha, ctx.limit)
+            d_gate_up = gate_up_rows
+        else:
+            d_gate_up = swiglu_clamped_bwd(dout_rows, gate_up_rows, ctx.alpha, ctx.limit)
+        return d_gate_up.view(*dout.shape[:-1], 2 * dout.shape[-1]), None, None, None
+
+
+class ReLU2Function(torch.autograd.Function):
+    """Saves ``x`` as a ``[rows, cols]`` view (see :class:`GatedFunction`); ``relu(x)`` is
+    recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, inplace_backward):
+        x_rows = as_rows(x)
+        out = relu2_fwd(x_rows)
+        ctx.save_for_backward(x_rows)
+        ctx.inplace_backward = inplace_backward
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x_rows,) = ctx.saved_tensors
+        dout_rows = as_rows(dout)
+        if ctx.inplace_backward:
+            relu2_bwd_inplace(dout_rows, x_rows)
+            dx = x_rows
+        else:
+            dx = relu2_bwd(dout_rows, x_rows)
+        return dx.view(dout.shape), None
 
 
 class GatedLinearFunction(torch.autograd.Function):
@@ -374,3 +629,14 @@ def swiglu(gate, up, inplace_backward):
 def geglu(gate, up, inplace_backward):
     """``gelu_tanh(gate) · up`` for ``gate, up [...]``; inputs validated by :mod:`tigon.functional`."""
     return GatedFunction.apply(gate, up, "gelu_tanh", inplace_backward)
+
+
+def swiglu_clamped(gate_up, alpha, limit, inplace_backward):
+    """GPT-OSS's clamped SwiGLU of interleaved ``gate_up [..., 2I]`` → ``[..., I]``; inputs
+    validated by :mod:`tigon.functional`."""
+    return SwiGLUClampedFunction.apply(gate_up, alpha, limit, inplace_backward)
+
+
+def relu2(x, inplace_backward):
+    """``relu(x)²`` for ``x [...]``; inputs validated by :mod:`tigon.functional`."""
+    return ReLU2Function.apply(x, inplace_backward)

@@ -97,6 +97,19 @@ def geglu(gate, up):
     return F.gelu(gate, approximate="tanh") * up
 
 
+def relu2(x):
+    """Hugging Face's ``ACT2FN["relu2"]`` (Nemotron's MLP)."""
+    return torch.square(F.relu(x))
+
+
+def swiglu_clamped(gate_up, alpha=1.702, limit=7.0):
+    """GPT-OSS's ``GptOssExperts._apply_gate``, in the input's dtype as the eager module runs it."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def cross_entropy(
     logits,
     target,
