@@ -170,47 +170,118 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, offset=0.0):
     return _layer_norm.layer_norm(x, weight, bias, float(eps), float(offset))
 
 
-def rope(q, k, cos, sin, rotary_dim=None):
-    """Rotary position embedding of queries and keys in one launch (Hugging Face convention).
+def _check_rope_table(name, table, batch, seq_len, rotary_dim, mrope):
+    """A cos/sin table's shape: ``[B or 1, T, W]`` or ``[T, W]`` (M-RoPE: ``[3, B or 1, T, W]``)
+    with ``W = rotary_dim`` or ``rotary_dim/2``."""
+    check_tensor(name, table)
+    shape, widths = tuple(table.shape), (rotary_dim, rotary_dim // 2)
+    if mrope:
+        table_ok = len(shape) == 4 and shape[0] == 3 and shape[1] in (1, batch) and shape[2] == seq_len
+        expected = f"[3, B or 1, T, rotary_dim] = [3, {batch} or 1, {seq_len}, {rotary_dim}] (time, height, width planes)"
+    elif len(shape) == 2:
+        table_ok = shape[0] == seq_len
+        expected = f"[B or 1, T, rotary_dim] = [{batch} or 1, {seq_len}, {rotary_dim}] or [T, rotary_dim]"
+    else:
+        table_ok = len(shape) == 3 and shape[0] in (1, batch) and shape[1] == seq_len
+        expected = f"[B or 1, T, rotary_dim] = [{batch} or 1, {seq_len}, {rotary_dim}] or [T, rotary_dim]"
+    if not (table_ok and shape[-1] in widths):
+        raise ValueError(
+            f"{name} must be {expected}, or of width rotary_dim/2 = {rotary_dim // 2} (one angle per pair); got {shape}"
+        )
 
-    ``out = x · cos + rotate_half(x) · sin`` on the first ``rotary_dim`` features of each head,
-    where ``rotate_half([a, b]) = [-b, a]``; the remaining features pass through unchanged.
+
+def _check_mrope_section(mrope_section, rotary_dim):
+    try:
+        section = tuple(int(size) for size in mrope_section)
+    except TypeError:
+        section = None
+    if section is None or len(section) != 3 or min(section) < 0 or sum(section) != rotary_dim // 2:
+        raise ValueError(
+            f"mrope_section must be three sizes (t, h, w) >= 0 summing to rotary_dim/2 = {rotary_dim // 2}; "
+            f"got {mrope_section!r}"
+        )
+    return section
+
+
+def rope(
+    q, k, cos, sin, rotary_dim=None, *,
+    interleaved=False, deinterleave_output=False, rotary_last=False, mrope_section=None, mrope_interleaved=False,
+):
+    """Rotary position embedding of queries and keys in one launch, every Hugging Face variant.
+
+    Each pair ``(x_a, x_b)`` of the rotated features turns by its angle:
+    ``out_a = x_a·cos_a − x_b·sin_a``, ``out_b = x_b·cos_b + x_a·sin_b``. By default the pairs are
+    ``(x[i], x[i + R/2])``, i.e. ``out = x·cos + rotate_half(x)·sin`` with
+    ``rotate_half([a, b]) = [-b, a]`` (Llama and most models); features past ``R = rotary_dim``
+    pass through unchanged.
 
     Args:
-        q: ``[B, Hq, T, D]``; k: ``[B, Hk, T, D]`` with ``Hk`` dividing ``Hq`` (GQA). Any strides
-            (the usual transposed ``[B, T, H, D]`` projections are read in place).
-        cos, sin: ``[B or 1, T, rotary_dim]`` (or ``[T, rotary_dim]``), as returned by a
-            Hugging Face rotary embedding.
+        q: ``[B, Hq, T, D]``. Any strides (the usual transposed ``[B, T, H, D]`` projections are
+            read in place and their outputs stay transposed).
+        k: ``[B, Hk, T, D]`` with ``Hk`` dividing ``Hq`` (GQA), or ``None`` to rotate ``q`` alone
+            (Gemma 4, DeepSeek V4).
+        cos, sin: ``[B or 1, T, W]`` or ``[T, W]`` (M-RoPE: ``[3, B or 1, T, W]``), any float dtype,
+            with ``W = rotary_dim`` (one entry per feature, indexed like the output: Hugging Face's
+            ``cat(freqs, freqs)`` tables) or ``W = rotary_dim/2`` (one angle per pair, read by both
+            members: GPT-OSS, and ``freqs_cis.real`` / ``freqs_cis.imag`` of the complex forms).
+            They receive exact gradients when they require grad (then ``q`` and ``k`` are saved).
         rotary_dim: even, at most ``D``; defaults to ``D``.
-    Returns: ``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``.
+        interleaved: pairs are ``(x[2i], x[2i + 1])``, the complex form
+            ``view_as_complex(x.reshape(..., -1, 2)) * (cos + i·sin)`` (Llama 4, DeepSeek V2, V4);
+            the output keeps that layout.
+        deinterleave_output: with ``interleaved``, write the output half-split,
+            ``cat([x_even·cos − x_odd·sin, x_odd·cos + x_even·sin])`` (DeepSeek V3's
+            ``apply_rotary_pos_emb_interleave``, which reads only the first half of its full-width
+            tables: pass ``cos[..., :R/2]``, ``sin[..., :R/2]`` for its exact table gradients; its
+            halves being equal, the whole tables give the same output).
+        rotary_last: rotate the last ``rotary_dim`` features instead of the first (DeepSeek V4's
+            ``[nope | rope]`` heads).
+        mrope_section: ``(t, h, w)`` summing to ``rotary_dim/2`` for multimodal RoPE (Qwen2-VL,
+            Qwen2.5-VL): ``cos``/``sin`` hold three planes of angles, for the time, height and width
+            positions; the first ``t`` pairs read plane 0, the next ``h`` plane 1, the last ``w``
+            plane 2 (a full-width table's second half likewise).
+        mrope_interleaved: with ``mrope_section``, Qwen3-VL's interleaved assignment instead: pair
+            ``j`` reads plane 1 if ``j % 3 == 1 and j < 3h``, plane 2 if ``j % 3 == 2 and j < 3w``,
+            else plane 0.
+    Returns: ``(q_rot, k_rot)`` with the shapes, strides order and dtypes of ``q`` and ``k``;
+        ``k_rot`` is ``None`` when ``k`` is.
     """
     check_tensor("q", q, dim=4)
-    check_tensor("k", k, dim=4)
-    check_same_dtype(q=q, k=k)
     batch, q_heads, seq_len, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[2] != seq_len or k.shape[3] != head_dim:
-        raise ValueError(
-            f"k must be [B, Hk, T, D] = [{batch}, Hk, {seq_len}, {head_dim}] to match q {tuple(q.shape)}, "
-            f"got {tuple(k.shape)}"
-        )
-    if q_heads % k.shape[1] != 0:
-        raise ValueError(f"k's head count must divide q's (GQA): got q heads {q_heads}, k heads {k.shape[1]}")
+    if k is not None:
+        check_tensor("k", k, dim=4)
+        check_same_dtype(q=q, k=k)
+        if k.shape[0] != batch or k.shape[2] != seq_len or k.shape[3] != head_dim:
+            raise ValueError(
+                f"k must be [B, Hk, T, D] = [{batch}, Hk, {seq_len}, {head_dim}] to match q {tuple(q.shape)}, "
+                f"got {tuple(k.shape)}"
+            )
+        if k.shape[1] == 0 or q_heads % k.shape[1] != 0:
+            raise ValueError(f"k's head count must divide q's (GQA): got q heads {q_heads}, k heads {k.shape[1]}")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], got {rotary_dim}")
+    if deinterleave_output and not interleaved:
+        raise ValueError(
+            "deinterleave_output=True needs interleaved=True (it de-interleaves interleaved pairs); got interleaved=False"
+        )
+    if mrope_interleaved and mrope_section is None:
+        raise ValueError("mrope_interleaved=True needs mrope_section (the (t, h, w) sizes); got mrope_section=None")
+    if mrope_section is not None:
+        mrope_section = _check_mrope_section(mrope_section, rotary_dim)
     for name, table in (("cos", cos), ("sin", sin)):
-        check_tensor(name, table)
-        if table.dim() == 2:
-            table_ok = tuple(table.shape) == (seq_len, rotary_dim)
-        else:
-            table_ok = table.dim() == 3 and table.shape[0] in (1, batch) and tuple(table.shape[1:]) == (seq_len, rotary_dim)
-        if not table_ok:
-            raise ValueError(
-                f"{name} must be [B or 1, T, rotary_dim] = [{batch} or 1, {seq_len}, {rotary_dim}] "
-                f"or [T, rotary_dim], got {tuple(table.shape)}"
-            )
+        _check_rope_table(name, table, batch, seq_len, rotary_dim, mrope_section is not None)
+    if cos.shape[-1] != sin.shape[-1]:
+        raise ValueError(
+            f"cos must be [B or 1, T, rotary_dim] or of width rotary_dim/2 like sin (one width for both); "
+            f"got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
+        )
     check_same_device(q=q, k=k, cos=cos, sin=sin)
-    return _rope.rope(q, k, cos, sin, rotary_dim)
+    variant = _rope.RotaryVariant(
+        rotary_dim, bool(rotary_last), bool(interleaved), bool(deinterleave_output), mrope_section,
+        bool(mrope_interleaved),
+    )
+    return _rope.rope(q, k, cos, sin, variant)
 
 
 def _check_gated_args(gate, up, inplace_backward):

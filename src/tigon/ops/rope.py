@@ -1,30 +1,54 @@
-"""Rotary position embedding of queries and keys, Hugging Face convention, in one launch.
+"""Rotary position embedding of queries and keys, every Hugging Face variant, in one launch.
 
-Forward, per head and position, on the first ``R = rotary_dim`` features of ``x`` (``q`` or ``k``)
-split into halves ``x = [x_lo, x_hi]`` of ``R/2`` features each, with the tables split the same way::
+Each of the ``P = R/2`` feature pairs of the rotated slice (``R = rotary_dim`` features, the first
+ones or, with ``rotary_last``, the last ones) turns by its own angle::
 
-    out_lo = x_lo · cos_lo − x_hi · sin_lo          (x · cos + rotate_half(x) · sin,
-    out_hi = x_hi · cos_hi + x_lo · sin_hi           rotate_half([a, b]) = [−b, a])
+    out_a = x_a · cos_a − x_b · sin_a           i.e.  out = M · x,  M = [[cos_a, −sin_a],
+    out_b = x_b · cos_b + x_a · sin_b                                  [sin_b,  cos_b]]
 
-Features past ``R`` are copied unchanged (partial rotary). Per feature pair ``(i, i + R/2)`` this is
-``out = M · x`` with ``M = [[cos_lo, −sin_lo], [sin_hi, cos_hi]]``, so the backward is
-``dx = Mᵀ · dout``: the same formula with ``(sin_lo, sin_hi)`` replaced by ``(−sin_hi, −sin_lo)``,
-which one kernel does under a flag. For Hugging Face's tables (both halves equal) that is the
-rotation by −θ, ``dout · cos + rotate_half_T(dout) · sin`` with ``rotate_half_T([a, b]) = [b, −a]``;
-swapping the halves keeps the backward exact for any table. ``cos`` and ``sin`` get no gradient:
-they are functions of position ids, not of anything trained.
+Which features form pair ``j``, where its outputs go and which table entries it reads are
+switches (``tl.constexpr``, so each combination compiles to its own straight-line kernel and the
+default one is exactly the plain kernel):
 
-Shapes: ``q [B, Hq, T, D]``, ``k [B, Hk, T, D]`` (fp32/bf16/fp16, any strides; the transposed views
-of ``[B, T, H, D]`` projections are read in place), ``cos, sin [B or 1, T, R]`` or ``[T, R]`` of any
-float dtype. One program owns a block of positions of one sequence and a slice of the concatenated
-``q ‖ k`` head axis: it loads its cos/sin rows once and rotates every head of its slice with them.
+- pairs: half-split ``(x[j], x[j + P])`` (Hugging Face's ``rotate_half``) or ``interleaved``
+  ``(x[2j], x[2j + 1])`` (the complex forms: Llama 4, DeepSeek V2/V3/V4);
+- output layout: the input's, or, for interleaved pairs, half-split (``deinterleave_output``:
+  DeepSeek V3's ``cat([x_even·cos − x_odd·sin, x_odd·cos + x_even·sin])``);
+- tables: full width ``R``, indexed by the output feature the entry multiplies (half-split:
+  ``(j, j + P)``, interleaved: ``(2j, 2j + 1)``), or half width ``R/2``, one angle per pair read by
+  both members (GPT-OSS, the complex forms' ``freqs_cis``);
+- M-RoPE (Qwen2-VL, Qwen3-VL): the tables hold three planes ``[3, B, T, W]`` (time, height, width
+  positions) and pair ``j`` reads the plane its frequency belongs to: sectioned, ``j`` in the first
+  ``t`` pairs → plane 0, the next ``h`` → 1, the last ``w`` → 2; interleaved (Qwen3-VL), plane 1
+  where ``j % 3 == 1 and j < 3h``, plane 2 where ``j % 3 == 2 and j < 3w``, else plane 0. Nothing
+  combined is built: each program reads each pair's entry from its plane directly.
+
+Features outside the rotated slice are copied unchanged (partial rotary).
+
+Backward. For the heads: ``dx = Mᵀ · dout``, with ``Mᵀ = [[cos_a, sin_b], [−sin_a, cos_b]]``, the
+forward's formula with ``(sin_a, sin_b)`` replaced by ``(−sin_b, −sin_a)`` and input and output
+layouts swapped (``dout`` is read in the output's layout, ``dx`` written in the input's): the same
+kernel under a flag, exact for any table. For the tables (only when they require grad; they are
+usually functions of position ids): ``dcos_a = Σ dout_a·x_a``, ``dsin_a = −Σ dout_a·x_b``,
+``dcos_b = Σ dout_b·x_b``, ``dsin_b = Σ dout_b·x_a``, summed over the heads of q and k and over the
+batch where a table is shared; a half-width entry collects both members' terms, an M-RoPE plane
+only its own pairs'. That reduction runs in PyTorch (fp32) and needs q and k, which are then saved.
+
+Shapes: ``q [B, Hq, T, D]``, ``k [B, Hk, T, D]`` or none (fp32/bf16/fp16, any strides; the
+transposed views of ``[B, T, H, D]`` projections are read in place), ``cos, sin [B or 1, T, W]``,
+``[T, W]`` or, for M-RoPE, ``[3, B or 1, T, W]``, with ``W = R`` or ``R/2``, any float dtype. One
+program owns a block of positions of one sequence and a slice of the concatenated ``q ‖ k`` head
+axis: it loads its cos/sin rows once and rotates every head of its slice with them.
 
 Bytes per call (the roofline): forward reads q and k and writes q_rot and k_rot,
-``2·B·T·(Hq + Hk)·D`` elements; the backward moves the same amount. The tables, ``2·B·T·R``
-elements at most, are read once per slice of heads and mostly hit in L2.
+``2·B·T·(Hq + Hk)·D`` elements; the backward moves the same amount. The tables, ``2·B·T·W``
+elements (three times that for M-RoPE), are read once per slice of heads and mostly hit in L2.
+Interleaved pairs are read (or written) as two stride-2 accesses to the same cache lines.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,39 +60,69 @@ from tigon.ops._launch import num_programs_for, rows_per_block, tigon_op
 # grid would otherwise be too small to fill the GPU.
 MAX_HEADS_PER_PROGRAM = 8
 
+# How an M-RoPE table's planes are assigned to pairs (the kernel's MROPE switch).
+MROPE_NONE, MROPE_SECTIONED, MROPE_INTERLEAVED = 0, 1, 2
+
+
+class RotaryVariant(NamedTuple):
+    """Which rotation: validated by :func:`tigon.functional.rope`, whose docstring explains each
+    option. ``mrope_section`` is ``None`` without M-RoPE."""
+
+    rotary_dim: int
+    rotary_last: bool = False
+    interleaved: bool = False
+    deinterleave_output: bool = False
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
+
 
 @triton.jit
 def _rotate_heads(
     x, out, n_heads, stride_xh, stride_oh,
-    cos_lo, cos_hi, sin_lo, sin_hi, half_cols, rotary_mask, pass_cols, pass_mask,
-    HALF_ROTARY: tl.constexpr, PASS_DIM: tl.constexpr,
+    cos_a, cos_b, sin_a, sin_b, read_a, read_b, write_a, write_b, rotary_mask, pass_cols, pass_mask,
+    PASS_DIM: tl.constexpr,
 ):
     """Rotates ``n_heads`` consecutive heads; ``x`` and ``out`` point at the first head's
-    ``[BLOCK_T, 1]`` rows and advance one head stride per step (pointer arithmetic is 64-bit)."""
+    ``[BLOCK_T, 1]`` rows and advance one head stride per step (pointer arithmetic is 64-bit).
+    ``read_*`` / ``write_*`` are the feature offsets of each pair's members in ``x`` and ``out``."""
     for _ in range(n_heads):
-        x_lo = tl.load(x + half_cols, mask=rotary_mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x + HALF_ROTARY + half_cols, mask=rotary_mask, other=0.0).to(tl.float32)
-        out_lo = x_lo * cos_lo - x_hi * sin_lo
-        out_hi = x_hi * cos_hi + x_lo * sin_hi
-        tl.store(out + half_cols, out_lo.to(out.dtype.element_ty), mask=rotary_mask)
-        tl.store(out + HALF_ROTARY + half_cols, out_hi.to(out.dtype.element_ty), mask=rotary_mask)
+        x_a = tl.load(x + read_a, mask=rotary_mask, other=0.0).to(tl.float32)
+        x_b = tl.load(x + read_b, mask=rotary_mask, other=0.0).to(tl.float32)
+        out_a = x_a * cos_a - x_b * sin_a
+        out_b = x_b * cos_b + x_a * sin_b
+        tl.store(out + write_a, out_a.to(out.dtype.element_ty), mask=rotary_mask)
+        tl.store(out + write_b, out_b.to(out.dtype.element_ty), mask=rotary_mask)
         if PASS_DIM > 0:
-            passed = tl.load(x + 2 * HALF_ROTARY + pass_cols, mask=pass_mask)
-            tl.store(out + 2 * HALF_ROTARY + pass_cols, passed, mask=pass_mask)
+            passed = tl.load(x + pass_cols, mask=pass_mask)
+            tl.store(out + pass_cols, passed, mask=pass_mask)
         x += stride_xh
         out += stride_oh
 
 
 @triton.jit
+def _load_table(table, entry_a, entry_b, mask, HALF_TABLE: tl.constexpr):
+    """The entries of ``table`` (pointing at this program's rows, plane included) multiplying
+    each pair's two outputs, as fp32: a half-width table's one entry per pair is loaded once."""
+    value_a = tl.load(table + entry_a, mask=mask, other=0.0).to(tl.float32)
+    if HALF_TABLE:
+        value_b = value_a
+    else:
+        value_b = tl.load(table + entry_b, mask=mask, other=0.0).to(tl.float32)
+    return value_a, value_b
+
+
+@triton.jit
 def rope_kernel(
     Q, K, COS, SIN, Q_OUT, K_OUT,
-    seq_len, q_heads, n_heads, heads_per_program,
+    seq_len, q_heads, n_heads, heads_per_program, mrope_bound_1, mrope_bound_2,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_qob, stride_qoh, stride_qot,
     stride_kob, stride_koh, stride_kot,
-    stride_cos_b, stride_cos_t, stride_sin_b, stride_sin_t,
-    HALF_ROTARY: tl.constexpr, PASS_DIM: tl.constexpr, TRANSPOSED: tl.constexpr,
+    stride_cos_plane, stride_cos_b, stride_cos_t, stride_sin_plane, stride_sin_b, stride_sin_t,
+    HALF_ROTARY: tl.constexpr, PASS_DIM: tl.constexpr, ROTARY_START: tl.constexpr, PASS_START: tl.constexpr,
+    PAIRS_INTERLEAVED: tl.constexpr, OUT_INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+    MROPE: tl.constexpr, TRANSPOSED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     # Grid: (position block, sequence, slice of the q ‖ k head axis). Every feature stride is 1.
@@ -76,21 +130,56 @@ def rope_kernel(
     positions = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = positions[:, None] < seq_len
     rows = positions.to(tl.int64)[:, None]
-    half_cols = tl.arange(0, BLOCK_HALF)[None, :]
-    rotary_mask = row_mask & (half_cols < HALF_ROTARY)
-    pass_cols = tl.arange(0, BLOCK_PASS)[None, :]
-    pass_mask = row_mask & (pass_cols < PASS_DIM)
+    pair = tl.arange(0, BLOCK_HALF)[None, :]
+    rotary_mask = row_mask & (pair < HALF_ROTARY)
+    pass_cols = PASS_START + tl.arange(0, BLOCK_PASS)[None, :]
+    pass_mask = row_mask & (tl.arange(0, BLOCK_PASS)[None, :] < PASS_DIM)
 
-    cos = COS + batch * stride_cos_b + rows * stride_cos_t + half_cols
-    sin = SIN + batch * stride_sin_b + rows * stride_sin_t + half_cols
-    cos_lo = tl.load(cos, mask=rotary_mask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos + HALF_ROTARY, mask=rotary_mask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin, mask=rotary_mask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin + HALF_ROTARY, mask=rotary_mask, other=0.0).to(tl.float32)
+    # Offsets of pair j's members (a, b) within the rotated slice, in the forward's input and output.
+    if PAIRS_INTERLEAVED:
+        in_a = 2 * pair
+        in_b = in_a + 1
+    else:
+        in_a = pair
+        in_b = pair + HALF_ROTARY
+    if OUT_INTERLEAVED:
+        out_a = 2 * pair
+        out_b = out_a + 1
+    else:
+        out_a = pair
+        out_b = pair + HALF_ROTARY
+
+    # A full-width table is indexed like the forward's output, a half-width one by pair.
+    cos = COS + batch * stride_cos_b + rows * stride_cos_t
+    sin = SIN + batch * stride_sin_b + rows * stride_sin_t
+    if MROPE == 1:  # sectioned: [0, t) → plane 0, [t, t + h) → 1, the rest → 2
+        plane = (pair >= mrope_bound_1).to(tl.int64) + (pair >= mrope_bound_2).to(tl.int64)
+        cos += plane * stride_cos_plane
+        sin += plane * stride_sin_plane
+    elif MROPE == 2:  # interleaved: j % 3 == 1 below 3h → plane 1, j % 3 == 2 below 3w → 2, else 0
+        phase = pair % 3
+        plane = tl.where(
+            (phase == 1) & (pair < mrope_bound_1), 1, tl.where((phase == 2) & (pair < mrope_bound_2), 2, 0)
+        )
+        cos += plane.to(tl.int64) * stride_cos_plane
+        sin += plane.to(tl.int64) * stride_sin_plane
+    if HALF_TABLE:
+        entry_a, entry_b = pair, pair
+    else:
+        entry_a, entry_b = out_a, out_b
+    cos_a, cos_b = _load_table(cos, entry_a, entry_b, rotary_mask, HALF_TABLE)
+    sin_a, sin_b = _load_table(sin, entry_a, entry_b, rotary_mask, HALF_TABLE)
     if TRANSPOSED:
-        # Mᵀ = [[cos_lo, sin_hi], [−sin_lo, cos_hi]]: the forward's formula with the sine halves
-        # swapped and negated (see the module docstring).
-        sin_lo, sin_hi = -sin_hi, -sin_lo
+        # Mᵀ = [[cos_a, sin_b], [−sin_a, cos_b]]: the forward's formula with the sines swapped and
+        # negated, reading the incoming gradient in the output's layout and writing the input's.
+        sin_a, sin_b = -sin_b, -sin_a
+        read_a, read_b, write_a, write_b = out_a, out_b, in_a, in_b
+    else:
+        read_a, read_b, write_a, write_b = in_a, in_b, out_a, out_b
+    if ROTARY_START > 0:  # the rotated slice is the last R features (rotary_last)
+        read_a, read_b, write_a, write_b = (
+            ROTARY_START + read_a, ROTARY_START + read_b, ROTARY_START + write_a, ROTARY_START + write_b
+        )
 
     # This program's heads [first_head, end_head) of q ‖ k: the part below q_heads is q's, the
     # rest k's (a part may be empty: a count ≤ 0 runs no step).
@@ -101,15 +190,15 @@ def rope_kernel(
         Q + batch * stride_qb + first_head.to(tl.int64) * stride_qh + rows * stride_qt,
         Q_OUT + batch * stride_qob + first_head.to(tl.int64) * stride_qoh + rows * stride_qot,
         tl.minimum(end_head, q_heads) - first_head, stride_qh, stride_qoh,
-        cos_lo, cos_hi, sin_lo, sin_hi, half_cols, rotary_mask, pass_cols, pass_mask,
-        HALF_ROTARY, PASS_DIM,
+        cos_a, cos_b, sin_a, sin_b, read_a, read_b, write_a, write_b, rotary_mask, pass_cols, pass_mask,
+        PASS_DIM,
     )
     _rotate_heads(
         K + batch * stride_kb + first_k_head.to(tl.int64) * stride_kh + rows * stride_kt,
         K_OUT + batch * stride_kob + first_k_head.to(tl.int64) * stride_koh + rows * stride_kot,
         tl.maximum(end_head - q_heads, 0) - first_k_head, stride_kh, stride_koh,
-        cos_lo, cos_hi, sin_lo, sin_hi, half_cols, rotary_mask, pass_cols, pass_mask,
-        HALF_ROTARY, PASS_DIM,
+        cos_a, cos_b, sin_a, sin_b, read_a, read_b, write_a, write_b, rotary_mask, pass_cols, pass_mask,
+        PASS_DIM,
     )
 
 
@@ -126,23 +215,36 @@ def _unit_feature_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _table_strides(table: torch.Tensor) -> tuple[int, int]:
-    """(batch stride, position stride) of a ``[B or 1, T, R]`` or ``[T, R]`` table; a table shared
-    by every sequence has batch stride 0."""
-    if table.dim() == 2 or table.shape[0] == 1:
-        return 0, table.stride(-2)
-    return table.stride(0), table.stride(1)
+def _table_strides(table: torch.Tensor) -> tuple[int, int, int]:
+    """(plane stride, batch stride, position stride) of a ``[B or 1, T, W]``, ``[T, W]`` or M-RoPE
+    ``[3, B or 1, T, W]`` table; a table shared by every sequence has batch stride 0."""
+    plane = table.stride(0) if table.dim() == 4 else 0
+    shared = table.dim() == 2 or table.shape[-3] == 1
+    return plane, 0 if shared else table.stride(-3), table.stride(-2)
 
 
-def _rotate_fake(q, k, cos, sin, rotary_dim, transposed):
+def _mrope_bounds(mrope_section, mrope_interleaved: bool) -> tuple[int, int, int]:
+    """(MROPE switch, bound 1, bound 2): the pair indices where the planes change."""
+    if mrope_section is None:
+        return MROPE_NONE, 0, 0
+    t, h, w = mrope_section
+    if mrope_interleaved:
+        return MROPE_INTERLEAVED, 3 * h, 3 * w
+    return MROPE_SECTIONED, t, t + h
+
+
+def _rotate_fake(q, k, cos, sin, transposed, rotary_dim, *options):
     return _rotated_like(q), _rotated_like(k)
 
 
 @tigon_op("rope_rotate", fake=_rotate_fake)
 def rope_rotate(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, transposed: bool,
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transposed: bool,
+    rotary_dim: int, rotary_last: bool = False, interleaved: bool = False, deinterleave_output: bool = False,
+    mrope_section: list[int] | None = None, mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, Hq, T, D]``, ``k [B, Hk, T, D]`` → rotated ``(q_rot, k_rot)`` in the input dtype.
+    """``q [B, Hq, T, D]``, ``k [B, Hk, T, D]`` (``Hk`` may be 0) → rotated ``(q_rot, k_rot)`` in the
+    input dtype; the options after ``transposed`` are the fields of :class:`RotaryVariant`.
 
     ``transposed=False`` is the forward; ``transposed=True`` applies the transposed rotation, which
     maps the gradients of ``(q_rot, k_rot)`` to those of ``(q, k)``.
@@ -156,6 +258,7 @@ def rope_rotate(
     n_heads = q_heads + k.shape[1]
 
     half_rotary, pass_dim = rotary_dim // 2, head_dim - rotary_dim
+    mrope, mrope_bound_1, mrope_bound_2 = _mrope_bounds(mrope_section, mrope_interleaved)
     block_t = min(triton.next_power_of_2(seq_len), rows_per_block(head_dim, min_elements=2048, max_rows=64))
     position_blocks = triton.cdiv(seq_len, block_t)
     # Share each cos/sin load across up to MAX_HEADS_PER_PROGRAM heads, unless that leaves fewer
@@ -166,13 +269,16 @@ def rope_rotate(
     grid = (position_blocks, batch, triton.cdiv(n_heads, heads_per_program))
     rope_kernel[grid](
         q, k, cos, sin, q_out, k_out,
-        seq_len, q_heads, n_heads, heads_per_program,
+        seq_len, q_heads, n_heads, heads_per_program, mrope_bound_1, mrope_bound_2,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         k_out.stride(0), k_out.stride(1), k_out.stride(2),
         *_table_strides(cos), *_table_strides(sin),
-        HALF_ROTARY=half_rotary, PASS_DIM=pass_dim, TRANSPOSED=transposed,
+        HALF_ROTARY=half_rotary, PASS_DIM=pass_dim,
+        ROTARY_START=pass_dim if rotary_last else 0, PASS_START=0 if rotary_last else rotary_dim,
+        PAIRS_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved and not deinterleave_output,
+        HALF_TABLE=cos.shape[-1] == half_rotary, MROPE=mrope, TRANSPOSED=transposed,
         BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(half_rotary),
         BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
         num_warps=max(1, min(4, block_t * triton.next_power_of_2(head_dim) // 512)),
@@ -180,25 +286,88 @@ def rope_rotate(
     return q_out, k_out
 
 
+def _pair_members(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the two members of every pair of a rotated slice ``[..., R]``: ``[..., R/2]`` each."""
+    if interleaved:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _pair_planes(variant: RotaryVariant, device: torch.device) -> torch.Tensor:
+    """The M-RoPE plane of every pair ``[R/2]``, as the kernel picks it."""
+    mrope, bound_1, bound_2 = _mrope_bounds(variant.mrope_section, variant.mrope_interleaved)
+    pair = torch.arange(variant.rotary_dim // 2, device=device)
+    if mrope == MROPE_SECTIONED:
+        return (pair >= bound_1).long() + (pair >= bound_2).long()
+    phase = pair % 3
+    return torch.where((phase == 1) & (pair < bound_1), 1, torch.where((phase == 2) & (pair < bound_2), 2, 0))
+
+
+def _table_grads(heads, cos, sin, variant: RotaryVariant):
+    """``(dcos, dsin)`` in the tables' shapes and dtypes from ``heads``, pairs ``(x, dout)`` of the
+    inputs and their outputs' gradients (see the module docstring for the formulas)."""
+    rotary_dim = variant.rotary_dim
+    out_interleaved = variant.interleaved and not variant.deinterleave_output
+    # Per pair and output member, over the heads: dout_a·x_a, dout_b·x_b (cos), −dout_a·x_b, dout_b·x_a (sin).
+    dcos_a = dcos_b = dsin_a = dsin_b = 0.0
+    for x, dout in heads:
+        start = x.shape[-1] - rotary_dim if variant.rotary_last else 0
+        x_a, x_b = (m.float() for m in _pair_members(x[..., start:start + rotary_dim], variant.interleaved))
+        dout_a, dout_b = (m.float() for m in _pair_members(dout[..., start:start + rotary_dim], out_interleaved))
+        dcos_a = dcos_a + (dout_a * x_a).sum(1)
+        dcos_b = dcos_b + (dout_b * x_b).sum(1)
+        dsin_a = dsin_a - (dout_a * x_b).sum(1)
+        dsin_b = dsin_b + (dout_b * x_a).sum(1)
+
+    half_table = cos.shape[-1] == rotary_dim // 2
+    planes = _pair_planes(variant, cos.device) if variant.mrope_section is not None else None
+
+    def to_table(grad_a, grad_b, table):
+        if half_table:  # one entry per pair, read by both members
+            grad, entry_planes = grad_a + grad_b, planes
+        elif out_interleaved:  # entries (2j, 2j + 1)
+            grad = torch.stack((grad_a, grad_b), dim=-1).flatten(-2)
+            entry_planes = None if planes is None else planes.repeat_interleave(2)
+        else:  # entries (j, j + R/2)
+            grad = torch.cat((grad_a, grad_b), dim=-1)
+            entry_planes = None if planes is None else torch.cat((planes, planes))
+        if entry_planes is not None:  # each entry's gradient lands in its own plane only
+            grad = torch.stack([grad * (entry_planes == plane) for plane in range(3)])
+        return grad.sum_to_size(table.shape).to(table.dtype)
+
+    return to_table(dcos_a, dcos_b, cos), to_table(dsin_a, dsin_b, sin)
+
+
 class RoPEFunction(torch.autograd.Function):
-    """Saves only ``cos`` and ``sin``: the rotation is linear, so the backward needs neither ``q``
-    nor ``k``, only the transposed rotation of the incoming gradients. ``cos`` and ``sin`` get no
-    gradient (they are computed from position ids)."""
+    """Saves ``cos`` and ``sin``, and ``q`` and ``k`` only when a table requires grad: the rotation
+    is linear, so the heads' backward is the transposed rotation of the incoming gradients alone.
+    ``k`` may be ``None`` (one tensor rotated); its output is then ``None``."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, rotary_dim):
-        ctx.save_for_backward(cos, sin)
-        ctx.rotary_dim = rotary_dim
-        return rope_rotate(q, k, cos, sin, rotary_dim, False)
+    def forward(ctx, q, k, cos, sin, variant: RotaryVariant):
+        tables_need_grad = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        ctx.save_for_backward(cos, sin, *((q, k) if tables_need_grad else (None, None)))
+        ctx.variant, ctx.has_k = variant, k is not None
+        q_rot, k_rot = rope_rotate(q, q[:, :0] if k is None else k, cos, sin, False, *variant)
+        return q_rot, k_rot if k is not None else None
 
     @staticmethod
     def backward(ctx, dq_rot, dk_rot):
-        cos, sin = ctx.saved_tensors
-        dq, dk = rope_rotate(dq_rot, dk_rot, cos, sin, ctx.rotary_dim, True)
-        return dq, dk, None, None, None
+        cos, sin, q, k = ctx.saved_tensors
+        variant = ctx.variant
+        if not ctx.has_k:
+            dk_rot = dq_rot[:, :0]
+        dq = dk = dcos = dsin = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dq, dk = rope_rotate(dq_rot, dk_rot, cos, sin, True, *variant)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            heads = [(q, dq_rot)] + ([(k, dk_rot)] if ctx.has_k else [])
+            dcos, dsin = _table_grads(heads, cos, sin, variant)
+        return dq, dk if ctx.has_k else None, dcos, dsin, None
 
 
-def rope(q, k, cos, sin, rotary_dim):
-    """``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k``; inputs validated by
-    :mod:`tigon.functional`."""
-    return RoPEFunction.apply(q, k, cos, sin, rotary_dim)
+def rope(q, k, cos, sin, variant: RotaryVariant):
+    """``(q_rot, k_rot)`` with the shapes and dtypes of ``q`` and ``k`` (``k_rot`` is ``None`` when
+    ``k`` is); inputs validated by :mod:`tigon.functional`."""
+    return RoPEFunction.apply(q, k, cos, sin, variant)

@@ -75,18 +75,106 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope(q, k, cos, sin, rotary_dim=None):
+def rotate_interleaved_pairs(x):
+    """DeepSeek V4's ``rotate_half``: ``(x[2i], x[2i+1]) → (−x[2i+1], x[2i])``."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+# One reference per rotary form, each on the rotated features ``x [..., R]`` with tables that
+# broadcast against them, written as the Hugging Face function it names computes.
+
+
+def rope_rotate_half(x, cos, sin):
+    """Llama's ``apply_rotary_pos_emb``: ``x·cos + rotate_half(x)·sin``, tables ``[..., R]``."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_half_table(x, cos, sin):
+    """GPT-OSS's ``_apply_rotary_emb``: the two halves rotated by tables ``[..., R/2]``."""
+    first_half, second_half = torch.chunk(x, 2, dim=-1)
+    return torch.cat((first_half * cos - second_half * sin, second_half * cos + first_half * sin), dim=-1)
+
+
+def rope_complex(x, cos, sin):
+    """Llama 4's and DeepSeek V2's ``apply_rotary_emb``: interleaved pairs as complex numbers times
+    ``freqs_cis = cos + i·sin`` (tables ``[..., R/2]``), in fp32 (fp64 for fp64 inputs)."""
+    real = _compute_dtype(x.dtype)
+    pairs = torch.view_as_complex(x.to(real).reshape(*x.shape[:-1], -1, 2).contiguous())
+    freqs_cis = torch.complex(cos.to(real), sin.to(real))
+    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)
+
+
+def rope_interleaved(x, cos, sin):
+    """DeepSeek V4's ``apply_rotary_pos_emb`` once its tables are repeated per feature:
+    ``x·cos + rotate_interleaved_pairs(x)·sin`` in fp32, tables ``[..., R]`` in the interleaved layout."""
+    compute = torch.promote_types(_compute_dtype(x.dtype), cos.dtype)
+    return (x.to(compute) * cos + rotate_interleaved_pairs(x).to(compute) * sin).to(x.dtype)
+
+
+def rope_deinterleave(x, cos, sin):
+    """DeepSeek V3's ``apply_rotary_pos_emb_interleave``: interleaved pairs in, half-split out,
+    ``cat([x_even·cos − x_odd·sin, x_odd·cos + x_even·sin])`` with tables ``[..., R/2]``. A
+    full-width table multiplies the outputs it lines up with: its first half the evens' rotations,
+    its second half the odds' (Hugging Face reads only the first half; its halves are equal)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    if cos.shape[-1] == x.shape[-1]:
+        (cos_even, cos_odd), (sin_even, sin_odd) = cos.split(half, dim=-1), sin.split(half, dim=-1)
+    else:
+        cos_even = cos_odd = cos
+        sin_even = sin_odd = sin
+    return torch.cat((even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd), dim=-1)
+
+
+def _mrope_pair_table(planes, mrope_section, interleaved):
+    """One table ``[..., R/2]`` (an angle per pair) from the three planes ``[3, ..., R/2]``:
+    Qwen2-VL's ``recomposition_frequencies`` (chunk ``i`` of the split by ``mrope_section`` from
+    plane ``i % 3``) or Qwen3-VL's interleaved one (plane 1 at ``1, 4, ... < 3h``, plane 2 at
+    ``2, 5, ... < 3w``, plane 0 elsewhere)."""
+    if not interleaved:
+        return torch.cat([chunk[i % 3] for i, chunk in enumerate(planes.split(list(mrope_section), dim=-1))], dim=-1)
+    table = planes[0].clone()
+    for plane, offset in ((1, 1), (2, 2)):
+        pairs = slice(offset, 3 * mrope_section[plane], 3)
+        table[..., pairs] = planes[plane][..., pairs]
+    return table
+
+
+def mrope_table(planes, mrope_section, interleaved=False, out_interleaved=False):
+    """The combined cos or sin table of multimodal RoPE from its planes ``[3, B, T, W]``. A
+    full-width table is two per-pair tables, the entries of each pair's first and second output
+    (its two halves, or its even and odd entries when the output is interleaved), combined alike."""
+    if planes.shape[-1] == sum(mrope_section):
+        return _mrope_pair_table(planes, mrope_section, interleaved)
+    first, second = (planes[..., 0::2], planes[..., 1::2]) if out_interleaved else planes.chunk(2, dim=-1)
+    first, second = (_mrope_pair_table(p, mrope_section, interleaved) for p in (first, second))
+    return torch.stack((first, second), dim=-1).flatten(-2) if out_interleaved else torch.cat((first, second), dim=-1)
+
+
+def rope(q, k, cos, sin, rotary_dim=None, *, interleaved=False, deinterleave_output=False, rotary_last=False,
+         mrope_section=None, mrope_interleaved=False):
+    """The options of :func:`tigon.functional.rope`, each mapped to the form above it names."""
     rotary_dim = q.shape[-1] if rotary_dim is None else rotary_dim
+    half_table = cos.shape[-1] == rotary_dim // 2
+    if mrope_section is not None:
+        out_interleaved = interleaved and not deinterleave_output
+        cos, sin = (mrope_table(t, mrope_section, mrope_interleaved, out_interleaved) for t in (cos, sin))
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if not interleaved:
+        form = rope_half_table if half_table else rope_rotate_half
+    elif deinterleave_output:
+        form = rope_deinterleave
+    else:
+        form = rope_complex if half_table else rope_interleaved
 
     def apply(x):
-        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-        rotated = rotated * cos + rotate_half(rotated) * sin
-        return torch.cat((rotated, passed), dim=-1)
+        start = x.shape[-1] - rotary_dim if rotary_last else 0
+        before, rotated, after = x[..., :start], x[..., start:start + rotary_dim], x[..., start + rotary_dim:]
+        return torch.cat((before, form(rotated, cos, sin).to(x.dtype), after), dim=-1)
 
-    return apply(q), apply(k)
+    return apply(q), None if k is None else apply(k)
 
 
 def swiglu(gate, up):
