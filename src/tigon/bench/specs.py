@@ -3,8 +3,9 @@ the work that call must do at the least (the roofline its time is compared to).
 
 Work is counted per direction. Memory-bound ops count the bytes of the tensors that must cross
 HBM (small vectors such as norm weights, ``rstd`` or RoPE's ``cos``/``sin`` tables are left out:
-they are under 1% at every swept shape); the fused linear cross entropy is compute-bound and counts
-its matmul FLOPs. ``full`` is forward + backward.
+they are under 1% at every swept shape; M-RoPE's per-sequence planes are not, and are counted);
+the fused linear cross entropy is compute-bound and counts its matmul FLOPs. ``full`` is forward +
+backward.
 """
 
 from __future__ import annotations
@@ -102,22 +103,40 @@ def _gated_norm_case(dims, dtype, device):
     return Case(args, (_randn(shape, dtype, device),))
 
 
-def _rope_case(dims, dtype, device):
-    # q and k as a Hugging Face attention layer hands them over: [B, T, H, D] projections viewed
-    # as [B, H, T, D] by a transpose, so the head axis is not the outer one in memory.
-    batch, seq_len, head_dim = dims["B"], dims["T"], dims["D"]
+def _rope_case(tables="rotate_half", mrope_section=None):
+    """q and k as a Hugging Face attention layer hands them over: [B, T, H, D] projections viewed
+    as [B, H, T, D] by a transpose, so the head axis is not the outer one in memory. Tables as the
+    model's rotary embedding gives them: ``rotate_half`` ``[1, T, D]`` (``cat(freqs, freqs)``),
+    ``half`` ``[1, T, D/2]`` (one angle per pair: ``freqs_cis``' parts), or M-RoPE's planes of
+    time, height and width angles per sequence, ``mrope`` ``[3, B, T, D]`` (as Liger and the
+    pre-5.x Qwen2-VL take them) or ``mrope_half`` ``[3, B, T, D/2]`` (as Qwen3-VL computes them).
+    ``mrope_section`` is given for D = 128 and scaled to the case's D (args["mrope_section"])."""
 
-    def heads(n_heads, requires_grad=False):
-        return _randn((batch, seq_len, n_heads, head_dim), dtype, device).transpose(1, 2).requires_grad_(requires_grad)
+    def build(dims, dtype, device):
+        batch, seq_len, head_dim = dims["B"], dims["T"], dims["D"]
 
-    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, device=device) / head_dim)
-    angles = torch.arange(seq_len, device=device)[:, None] * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)[None]  # [1, T, D], as a Llama rotary embedding
-    args = {
-        "q": heads(dims["Hq"], True), "k": heads(dims["Hk"], True),
-        "cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype),
-    }
-    return Case(args, (heads(dims["Hq"]), heads(dims["Hk"])))
+        def heads(n_heads, requires_grad=False):
+            return _randn((batch, seq_len, n_heads, head_dim), dtype, device).transpose(1, 2).requires_grad_(requires_grad)
+
+        inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, device=device) / head_dim)
+        positions = torch.arange(seq_len, device=device)
+        if tables.startswith("mrope"):  # a text prefix then an image: the three positions differ
+            positions = torch.stack((positions, positions // 7, positions % 7))[:, None].expand(3, batch, seq_len)
+        angles = positions[..., None] * inv_freq  # [T, D/2] or [3, B, T, D/2]
+        if tables in ("rotate_half", "mrope"):
+            angles = torch.cat((angles, angles), dim=-1)
+        if not tables.startswith("mrope"):
+            angles = angles[None]
+        args = {
+            "q": heads(dims["Hq"], True), "k": heads(dims["Hk"], True),
+            "cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype),
+        }
+        if mrope_section is not None:
+            t, h, _ = (size * head_dim // 128 for size in mrope_section)
+            args["mrope_section"] = (t, h, head_dim // 2 - t - h)
+        return Case(args, (heads(dims["Hq"]), heads(dims["Hk"])))
+
+    return build
 
 
 def _gated_case(dims, dtype, device):
@@ -307,6 +326,23 @@ def _rope_elements(dims):
     return dims["B"] * dims["T"] * dims["D"] * (dims["Hq"] + dims["Hk"])
 
 
+def _mrope_work(table_width):
+    """RoPE's traffic plus M-RoPE's cos and sin planes ``[3, B, T, table_width(D)]``, read once in
+    each direction: 7.5% more than the heads at the headline shape with full-width planes."""
+
+    def work(dims, element_size):
+        heads = 2 * _rope_elements(dims)
+        tables = 2 * 3 * dims["B"] * dims["T"] * table_width(dims["D"])
+        return (heads + tables) * element_size, (heads + tables) * element_size
+
+    return work
+
+
+ROPE_SWEEP = Sweep("T", (512, 1024, 2048, 4096, 8192), 4096, {"B": 4, "Hq": 32, "Hk": 8, "D": 128})
+ROPE_SMOKE = Sweep("T", (24, 64), 64, {"B": 1, "Hq": 4, "Hk": 2, "D": 32})
+ROPE_SHAPE = "q [{B}, {Hq}, {T}, {D}], k [{B}, {Hk}, {T}, {D}]"
+
+
 def _fused_linear_flops(dims, element_size):
     # Forward: the logits X·Wᵀ (2·N·H·V). Backward: dX = dZ·W and dW = dZᵀ·X (2·N·H·V each).
     # Providers that recompute the logits in backward do more; this is the floor.
@@ -366,12 +402,40 @@ OPS: dict[str, OpSpec] = {
         ),
         # q and k read and written in forward; dq and dk read and written in backward.
         OpSpec(
-            "rope", "q [{B}, {Hq}, {T}, {D}], k [{B}, {Hk}, {T}, {D}]",
-            sweep=Sweep("T", (512, 1024, 2048, 4096, 8192), 4096, {"B": 4, "Hq": 32, "Hk": 8, "D": 128}),
-            smoke=Sweep("T", (24, 64), 64, {"B": 1, "Hq": 4, "Hk": 2, "D": 32}),
-            build=_rope_case,
+            "rope", ROPE_SHAPE, sweep=ROPE_SWEEP, smoke=ROPE_SMOKE, build=_rope_case(),
             call=lambda f, a: f.rope(a["q"], a["k"], a["cos"], a["sin"]),
             work=_tensor_passes(_rope_elements, 2, 2),
+        ),
+        # The interleaved-pair forms, same traffic: Llama 4's and DeepSeek V2's complex
+        # apply_rotary_emb (freqs_cis [1, T, D/2]) and DeepSeek V3's, whose output is half-split.
+        OpSpec(
+            "rope_interleaved", ROPE_SHAPE + ", interleaved pairs", sweep=ROPE_SWEEP, smoke=ROPE_SMOKE,
+            build=_rope_case("half"),
+            call=lambda f, a: f.rope(a["q"], a["k"], a["cos"], a["sin"], interleaved=True),
+            work=_tensor_passes(_rope_elements, 2, 2),
+        ),
+        OpSpec(
+            "rope_deinterleave", ROPE_SHAPE + ", interleaved in, half-split out", sweep=ROPE_SWEEP, smoke=ROPE_SMOKE,
+            build=_rope_case("half"),
+            call=lambda f, a: f.rope(a["q"], a["k"], a["cos"], a["sin"], interleaved=True, deinterleave_output=True),
+            work=_tensor_passes(_rope_elements, 2, 2),
+        ),
+        # Multimodal RoPE read from its three planes: Qwen2-VL's sections (16, 24, 24) over
+        # full-width planes, Qwen3-VL's interleaved assignment (24, 20, 20) over half-width ones.
+        OpSpec(
+            "rope_mrope", ROPE_SHAPE + ", M-RoPE planes [3, {B}, {T}, {D}]", sweep=ROPE_SWEEP, smoke=ROPE_SMOKE,
+            build=_rope_case("mrope", (16, 24, 24)),
+            call=lambda f, a: f.rope(a["q"], a["k"], a["cos"], a["sin"], mrope_section=a["mrope_section"]),
+            work=_mrope_work(lambda head_dim: head_dim),
+        ),
+        OpSpec(
+            "rope_mrope_interleaved", ROPE_SHAPE + ", interleaved M-RoPE planes [3, {B}, {T}, {D}/2]",
+            sweep=ROPE_SWEEP, smoke=ROPE_SMOKE,
+            build=_rope_case("mrope_half", (24, 20, 20)),
+            call=lambda f, a: f.rope(
+                a["q"], a["k"], a["cos"], a["sin"], mrope_section=a["mrope_section"], mrope_interleaved=True,
+            ),
+            work=_mrope_work(lambda head_dim: head_dim // 2),
         ),
         # Forward reads gate and up, writes the product; backward reads gate, up and the output
         # gradient, writes both input gradients (the activation is recomputed, not stored).
