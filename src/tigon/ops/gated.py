@@ -2,7 +2,7 @@
 clamped SwiGLU and Nemotron's squared ReLU ``relu(x)²`` (an ungated MLP's activation, here for the
 elementwise machinery it shares with the gates).
 
-Both activations have the form ``act(g) = g · σ(z(g))``:
+SwiGLU's and GeGLU's activations have the form ``act(g) = g · σ(z(g))``:
 
     silu:       z(g) = g
     gelu_tanh:  z(g) = 2·√(2/π)·(g + 0.044715·g³)     since ½·(1 + tanh(u)) = σ(2u)
@@ -160,11 +160,12 @@ def swiglu_clamped_grads(gate, up, dout, alpha, limit):
 
 
 @triton.jit
-def _pair_offsets(rows, cols, stride):
-    """Offsets ``[BLOCK_M, BLOCK_N, 2]`` of the interleaved (gate, up) pairs of output columns
-    ``cols``: one contiguous load of both, split afterwards."""
+def _pair_tile(rows, cols, mask, stride):
+    """Offsets and mask ``[BLOCK_M, BLOCK_N, 2]`` of the interleaved (gate, up) pairs of the output
+    tile ``rows × cols``: both are loaded (or stored) at once and split (or joined) in registers."""
     pair = tl.arange(0, 2)
-    return (rows * stride + 2 * cols)[:, :, None] + pair[None, None, :]
+    offsets = (rows * stride + 2 * cols)[:, :, None] + pair[None, None, :]
+    return offsets, mask[:, :, None] & (pair < 2)[None, None, :]
 
 
 @triton.jit
@@ -176,9 +177,8 @@ def swiglu_clamped_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
-    pair_mask = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
-    gate_up = tl.load(GATE_UP + _pair_offsets(rows, cols, stride_gate_up), mask=pair_mask, other=0.0)
-    gate, up = tl.split(gate_up.to(tl.float32))
+    pairs, pair_mask = _pair_tile(rows, cols, mask, stride_gate_up)
+    gate, up = tl.split(tl.load(GATE_UP + pairs, mask=pair_mask, other=0.0).to(tl.float32))
     out = swiglu_clamped_math(gate, up, alpha, limit)
     tl.store(OUT + rows * stride_out + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
@@ -193,13 +193,12 @@ def swiglu_clamped_bwd_kernel(
 ):
     # D_GATE_UP may be GATE_UP itself: each pair is loaded before its gradient is stored over it.
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
-    pair_mask = mask[:, :, None] & (tl.arange(0, 2) < 2)[None, None, :]
-    gate_up = tl.load(GATE_UP + _pair_offsets(rows, cols, stride_gate_up), mask=pair_mask, other=0.0)
-    gate, up = tl.split(gate_up.to(tl.float32))
+    pairs, pair_mask = _pair_tile(rows, cols, mask, stride_gate_up)
+    gate, up = tl.split(tl.load(GATE_UP + pairs, mask=pair_mask, other=0.0).to(tl.float32))
     dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
     d_gate, d_up, _ = swiglu_clamped_grads(gate, up, dout, alpha, limit)
-    d_gate_up = tl.join(d_gate, d_up).to(D_GATE_UP.dtype.element_ty)
-    tl.store(D_GATE_UP + _pair_offsets(rows, cols, stride_d_gate_up), d_gate_up, mask=pair_mask)
+    d_pairs, _ = _pair_tile(rows, cols, mask, stride_d_gate_up)
+    tl.store(D_GATE_UP + d_pairs, tl.join(d_gate, d_up).to(D_GATE_UP.dtype.element_ty), mask=pair_mask)
 
 
 @triton.jit
