@@ -203,7 +203,7 @@ FAMILIES: dict[str, Family] = {
         # Falcon-H1's MLP scales the gate's input and the output by config multipliers: not patched.
         Family(
             "falcon_h1", _module("falcon_h1"), "FalconH1ForCausalLM",
-            norms=(Norm("FalconH1RMSNorm"), Norm("FalconH1RMSNormGated", kind="rms_gated")),
+            norms=(Norm("FalconH1RMSNorm"), Norm("FalconH1RMSNormGated", kind="rms_gated", casting="gemma")),
             logit_multiplier="lm_head_multiplier",
         ),
         Family(
@@ -290,7 +290,7 @@ FAMILIES: dict[str, Family] = {
                 Norm("MuseGlimmerRMSNorm", eps="eps", casting="gemma"),
                 Norm("MuseGlimmerTextCenteredRMSNorm", **_GEMMA_NORM),
             ),
-            mlps=(Mlp("MuseGlimmerTextMLP", gate="geglu"),), logit_multiplier="output_multiplier", **_SOFTCAP,
+            mlps=(Mlp("MuseGlimmerTextMLP"),), logit_multiplier="output_multiplier", **_SOFTCAP,
         ),
         Family(
             "qwen2_vl", _module("qwen2_vl"), "Qwen2VLForConditionalGeneration",

@@ -54,11 +54,11 @@ class TigonGatedRMSNorm(TigonRMSNorm):
     def forward(self, hidden_states, gate=None):
         eps = getattr(self, self.eps_attribute)
         if gate is None:
-            return F.rms_norm(hidden_states, self.weight, eps)
+            return F.rms_norm(hidden_states, self.weight, eps, casting_mode=self.casting_mode)
         group_size = hidden_states.shape[-1] // getattr(self, "n_groups", 1)
         return F.rms_norm_gated(
             hidden_states, gate, self.weight, eps, group_size=group_size,
-            norm_before_gate=getattr(self, "norm_before_gate", True),
+            norm_before_gate=getattr(self, "norm_before_gate", True), casting_mode=self.casting_mode,
         )
 
 
@@ -277,13 +277,11 @@ def apply_rotary_pos_emb_glm4v(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def apply_rotary_pos_emb_deepseek_v4(x, cos, sin, unsqueeze_dim=1):
-    """DeepSeek V4's: the last ``2 · cos.shape[-1]`` features rotate in rotate-half layout, each
-    feature ``j`` by entry ``j // 2`` of the half-width tables; the leading ones pass through."""
-    rotary_dim = 2 * cos.shape[-1]
-    nope, rope = x[..., : x.shape[-1] - rotary_dim], x[..., x.shape[-1] - rotary_dim:]
-    (rope,) = _heads_first(unsqueeze_dim, rope)
-    rotated, _ = F.rope(rope, None, cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1))
-    return torch.cat([nope, _heads_first(unsqueeze_dim, rotated)[0]], dim=-1)
+    """DeepSeek V4's: interleaved pairs of the last ``2 · cos.shape[-1]`` features of each head
+    (laid out ``[nope | rope]``), one angle per pair; the leading features pass through."""
+    (x,) = _heads_first(unsqueeze_dim, x)
+    x_rot, _ = F.rope(x, None, cos, sin, rotary_dim=2 * cos.shape[-1], interleaved=True, rotary_last=True)
+    return _heads_first(unsqueeze_dim, x_rot)[0]
 
 
 ROPE_FORMS = {
