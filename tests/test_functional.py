@@ -76,3 +76,28 @@ def test_fused_linear_cross_entropy_errors():
     bad = target.clone()
     bad[0] = 11
     _raises(ValueError, r"target.*11", tf.fused_linear_cross_entropy, x, weight, bad)
+
+
+def test_numbers_that_require_grad_are_refused():
+    """Options read as plain numbers get no gradient: one given as a tensor that requires grad is
+    refused (a detached one, or any under torch.no_grad(), is read as its value)."""
+    x, weight = randn(5, 8), randn(11, 8)
+    target = torch.randint(0, 11, (5,), device=DEVICE)
+    number = torch.tensor(0.5, device=DEVICE, requires_grad=True)
+    calls = {
+        "eps": [(tf.rms_norm, (x,)), (tf.fused_add_rms_norm, (x, x)), (tf.rms_norm_gated, (x, x)),
+                (tf.layer_norm, (x,))],
+        "offset": [(tf.rms_norm, (x,)), (tf.fused_add_rms_norm, (x, x)), (tf.layer_norm, (x, randn(8)))],
+        "label_smoothing": [(tf.cross_entropy, (randn(5, 11), target)),
+                            (tf.fused_linear_cross_entropy, (x, weight, target))],
+        "lse_square_scale": [(tf.cross_entropy, (randn(5, 11), target))],
+        "softcap": [(tf.cross_entropy, (randn(5, 11), target)), (tf.fused_linear_logprobs, (x, weight, target))],
+        "temperature": [(tf.fused_linear_logprobs, (x, weight, target))],
+    }
+    for name, functions in calls.items():
+        for function, args in functions:
+            _raises(ValueError, rf"^{name} requires grad, but it is read as a plain number; tigon computes no gradient "
+                    rf"for it: pass a float or {name}\.detach\(\)", function, *args, **{name: number})
+    assert torch.equal(tf.rms_norm(x, eps=number.detach()), tf.rms_norm(x, eps=0.5))
+    with torch.no_grad():
+        assert torch.equal(tf.rms_norm(x, eps=number), tf.rms_norm(x, eps=0.5))

@@ -64,6 +64,21 @@ def check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
+def check_constant(name: str, value, why: str, fix: str | None = None) -> None:
+    """Refuse a tensor that requires grad (with grad mode on) where tigon takes a constant: no
+    gradient would reach it, and the caller learns that at the call, not from a missing gradient."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+        fix = fix or f"pass {name}.detach()"
+        raise ValueError(f"{name} requires grad, but {why}; tigon computes no gradient for it: {fix}")
+
+
+def check_numbers(**values) -> None:
+    """Options read as plain numbers (``eps``, ``temperature``, ``beta``...), whichever of them
+    came as a tensor: see :func:`check_constant`."""
+    for name, value in values.items():
+        check_constant(name, value, "it is read as a plain number", f"pass a float or {name}.detach()")
+
+
 def check_head(prefix: str, input, weight, bias=None, input_dim: int | None = None) -> None:
     """Hidden states ``{prefix}input [..., H]`` and an LM head ``{prefix}weight [V, H]`` (and
     ``{prefix}bias [V]``) of one dtype."""

@@ -3,6 +3,8 @@
 Every function accepts fp32, bf16 and fp16 tensors on a CUDA device (or on the CPU through
 Triton's interpreter), computes in fp32 and returns the input dtype unless stated otherwise.
 All gradients are exact (fp32 math, one rounding on store) and flow to every tensor input.
+Options read as plain numbers (``eps``, ``offset``, ``temperature``...) get none: one given as a
+tensor that requires grad is refused rather than silently left without a gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tigon._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_choice,
+    check_numbers,
     check_same_device,
     check_same_dtype,
     check_shape,
@@ -76,6 +79,7 @@ def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
     Returns: ``[..., H]`` in ``x.dtype``.
     """
     _check_norm_args(x, weight)
+    check_numbers(eps=eps, offset=offset)
     check_choice("casting_mode", casting_mode, _rms_norm.CASTING_MODES)
     return _rms_norm.rms_norm(x, weight, float(eps), float(offset), casting_mode)
 
@@ -94,6 +98,7 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_m
     check_shape("residual", residual, tuple(x.shape), "the shape of x")
     check_same_dtype(x=x, residual=residual)
     check_same_device(x=x, residual=residual)
+    check_numbers(eps=eps, offset=offset)
     check_choice("casting_mode", casting_mode, _rms_norm.CASTING_MODES)
     return _rms_norm.fused_add_rms_norm(x, residual, weight, float(eps), float(offset), casting_mode)
 
@@ -150,6 +155,7 @@ def rms_norm_gated(x, gate, weight=None, eps=1e-6, *, group_size=None, norm_befo
         check_tensor("weight", weight)
         check_shape("weight", weight, (hidden,), "the last dimension of x")
     check_same_device(x=x, gate=gate, weight=weight)
+    check_numbers(eps=eps)
     check_choice("casting_mode", casting_mode, _rms_norm.CASTING_MODES)
     return _rms_norm.rms_norm_gated(x, gate, weight, float(eps), group_size, bool(norm_before_gate), casting_mode)
 
@@ -165,6 +171,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, offset=0.0):
     Returns: ``[..., H]`` in ``x.dtype``.
     """
     _check_norm_args(x, weight, bias)
+    check_numbers(eps=eps, offset=offset)
     if offset and weight is None:
         raise ValueError(f"offset={offset!r} is added to the weight, but weight is None")
     return _layer_norm.layer_norm(x, weight, bias, float(eps), float(offset))
@@ -447,6 +454,7 @@ def geglu_mlp(x, gate_weight, up_weight, down_weight):
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):
+    check_numbers(label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     check_choice("reduction", reduction, REDUCTIONS)
@@ -613,6 +621,7 @@ def fused_linear_logprobs(
         )
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_numbers(temperature=temperature, softcap=softcap)
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     if softcap is not None and not softcap > 0.0:

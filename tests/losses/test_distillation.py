@@ -226,7 +226,40 @@ def _bad_calls():
             r"tensors must share one dtype, got input torch.float32, target torch.bfloat16",
         ),
         "ignore_index": (lambda: distill.jsd(s, t, ignore_index=1.5), TypeError, r"ignore_index must be an int"),
+        # The teacher is fixed: a teacher that requires grad is refused, not silently given no gradient.
+        "teacher_input_requires_grad": (
+            lambda: distill.fused_linear_jsd(x, weight, teacher_x.requires_grad_(), teacher_weight), ValueError,
+            r"teacher_input requires grad, but distillation treats the teacher as fixed; tigon computes no gradient "
+            r"for it: pass teacher_input\.detach\(\)",
+        ),
+        "teacher_weight_requires_grad": (
+            lambda: distill.fused_linear_jsd(x, weight, teacher_x, teacher_weight.requires_grad_()), ValueError,
+            r"teacher_weight requires grad, but distillation treats the teacher as fixed",
+        ),
+        "temperature_requires_grad": (
+            lambda: distill.fused_linear_jsd(x, weight, teacher_x, teacher_weight, temperature=_number(2.0)),
+            ValueError,
+            r"temperature requires grad, but it is read as a plain number; tigon computes no gradient for it: pass a "
+            r"float or temperature\.detach\(\)",
+        ),
+        "beta_requires_grad": (
+            lambda: distill.jsd(s, t, beta=_number(0.5)), ValueError,
+            r"beta requires grad, but it is read as a plain number",
+        ),
     }
+
+
+def _number(value):
+    return torch.tensor(value, device=DEVICE, requires_grad=True)
+
+
+def test_a_fixed_teacher_is_accepted_detached_or_without_grad_mode():
+    x, weight, teacher_x, teacher_weight, labels, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    teacher_x.requires_grad_()
+    options = dict(labels=labels, chunk_memory_bytes=chunk_memory_bytes)
+    loss = distill.fused_linear_jsd(x, weight, teacher_x.detach(), teacher_weight, **options)
+    with torch.no_grad():
+        assert torch.equal(distill.fused_linear_jsd(x, weight, teacher_x, teacher_weight, **options), loss.detach())
 
 
 @pytest.mark.parametrize("name", list(_bad_calls()))

@@ -263,6 +263,37 @@ def test_bad_input_is_named():
         tl.fused_linear_grpo(x, weight, ids, mask, advantages)
 
 
+def test_constants_that_require_grad_are_refused():
+    """The mask, advantages, old and reference log-probs, the token count and the options are
+    constants of the loss (TRL computes them without grad): asked for their gradient, the loss
+    refuses at the call instead of silently giving none."""
+    (x, weight, bias), (ids, mask, advantages), tensors, _ = _problem(
+        CASES[0], torch.float32, with_ref=True, mask_dtype=torch.float32,
+    )
+    inputs = dict(input=x, weight=weight, completion_ids=ids, completion_mask=mask, advantages=advantages, bias=bias,
+                  **tensors, num_items_in_batch=torch.tensor(20.0, device=DEVICE), beta=0.1)
+    reasons = {
+        "completion_mask": "the mask selects tokens and is not differentiated",
+        "advantages": "advantages are constants of the policy-gradient loss",
+        "old_per_token_logps": "the sampling policy's log-probs are constants of the ratio",
+        "ref_per_token_logps": "the reference model's log-probs are constants of the KL",
+        "num_items_in_batch": "it is a count of tokens",
+        "beta": "it is read as a plain number",
+        "temperature": "it is read as a plain number",
+    }
+    for name, reason in reasons.items():
+        value = inputs.get(name, 1.0)
+        leaf = torch.as_tensor(value, device=DEVICE).detach().clone().requires_grad_()
+        with pytest.raises(ValueError, match=rf"^{name} requires grad, but {reason}; tigon computes no gradient"):
+            tl.fused_linear_grpo(**dict(inputs, **{name: leaf}))
+
+    # Without grad mode nothing is differentiated, and nothing is refused.
+    loss, _ = tl.fused_linear_grpo(**inputs)
+    with torch.no_grad():
+        leaves = {name: inputs[name].detach().clone().requires_grad_() for name in list(reasons)[:5]}
+        assert torch.equal(tl.fused_linear_grpo(**dict(inputs, **leaves))[0], loss.detach())
+
+
 # --- The reference is TRL's formula --------------------------------------------------------------
 # TRL's own _compute_loss, run on a stand-in trainer whose model returns given log-probs: one process,
 # no gradient accumulation, none of its optional masks.

@@ -142,7 +142,8 @@ def test_frozen_head_and_no_grad():
 
 def test_sequence_logps_matches_reference():
     x, weight, target, b, _, chunk_memory_bytes = _problem(CASES[0], torch.float32)
-    logps = tl.fused_linear_sequence_logps(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes // 3)
+    with torch.no_grad():
+        logps = tl.fused_linear_sequence_logps(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes // 3)
     assert not logps.requires_grad
     truth = reference.sequence_logps(*leaf_copies(x, weight), target, b.double(), logits_dtype=x.dtype)
     assert_close(logps, truth, torch.float32, "logps")
@@ -181,3 +182,31 @@ def test_bad_input_is_named():
     target[0, 5] = vocab
     with pytest.raises(ValueError, match=f"target contains {vocab}"):
         tl.fused_linear_dpo(x, weight, target)
+
+
+def test_constants_that_require_grad_are_refused():
+    """The reference model, KTO's KL baseline and the options are constants of the losses: asked
+    for their gradient, the losses refuse at the call instead of silently giving none."""
+    x, weight, target, b, ref, _ = _problem(CASES[0], torch.float32, reference_model=True)
+    labels = torch.arange(x.shape[0], device=DEVICE) % 2 == 0
+    for name in ("ref_input", "ref_weight", "ref_bias"):
+        leaf = dict(ref, **{name: ref[name].detach().requires_grad_()})
+        message = (rf"{name} requires grad, but the reference model is fixed: its log-probs are constants of the "
+                   rf"loss; tigon computes no gradient for it: pass {name}\.detach\(\)")
+        with pytest.raises(ValueError, match=message):
+            tl.fused_linear_dpo(x, weight, target, b, **leaf)
+        with pytest.raises(ValueError, match=message):
+            tl.fused_linear_kto(x, weight, target, labels, b, **leaf)
+    kl = torch.tensor(0.2, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match=r"kl requires grad, but KTO's KL baseline is a constant of the loss"):
+        tl.fused_linear_kto(x, weight, target, labels, b, **ref, kl=kl)
+    with pytest.raises(ValueError, match=r"beta requires grad, but it is read as a plain number"):
+        tl.fused_linear_simpo(x, weight, target, b, beta=kl)
+    with pytest.raises(ValueError, match=r"input requires grad, but fused_linear_sequence_logps computes constants "
+                                         r".*: call it under torch\.no_grad\(\) or pass input\.detach\(\)"):
+        tl.fused_linear_sequence_logps(x, weight, target)
+
+    # Detached, or without grad mode, they are taken as the constants they are.
+    loss, _ = tl.fused_linear_kto(x, weight, target, labels, b, **ref, kl=kl.detach())
+    with torch.no_grad():
+        assert torch.equal(tl.fused_linear_kto(x, weight, target, labels, b, **ref, kl=kl)[0], loss.detach())

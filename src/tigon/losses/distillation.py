@@ -17,7 +17,9 @@ from torch import nn
 from tigon._checks import (
     INDEX_DTYPES,
     check_choice,
+    check_constant,
     check_head,
+    check_numbers,
     check_positive,
     check_same_device,
     check_same_dtype,
@@ -62,6 +64,7 @@ def _check_labels(labels, input, ignore_index):
 
 
 def _check_beta(beta):
+    check_numbers(beta=beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
 
@@ -153,10 +156,12 @@ def fused_linear_jsd(
         labels, beta, ignore_index: as :func:`jsd`.
         temperature: ``T > 0``, dividing both models' logits.
     Returns: the fp32 scalar loss. Gradients flow to ``input`` and ``weight`` (when they require
-    it); the teacher is a constant and gets none.
+    it); the teacher is a constant and gets none: a teacher tensor that requires grad is refused.
     """
     check_head("", input, weight)
     check_head("teacher_", teacher_input, teacher_weight)
+    for name, tensor in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
+        check_constant(name, tensor, "distillation treats the teacher as fixed")
     if teacher_weight.shape[0] != weight.shape[0]:
         raise ValueError(
             f"teacher_weight {tuple(teacher_weight.shape)} and weight {tuple(weight.shape)} must cover the same "
@@ -172,6 +177,7 @@ def fused_linear_jsd(
         input=input, weight=weight, teacher_input=teacher_input, teacher_weight=teacher_weight, labels=labels,
     )
     _check_beta(beta)
+    check_numbers(temperature=temperature)
     check_positive("temperature", temperature)
     if chunk_memory_bytes is not None and chunk_memory_bytes <= 0:
         raise ValueError(f"chunk_memory_bytes must be None or > 0, got {chunk_memory_bytes!r}")

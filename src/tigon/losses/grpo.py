@@ -38,7 +38,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tigon._checks import INDEX_DTYPES, check_choice, check_head, check_same_device, check_shape, check_tensor
+from tigon._checks import (
+    INDEX_DTYPES,
+    check_choice,
+    check_constant,
+    check_head,
+    check_numbers,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
 
 __all__ = ["LOSS_TYPES", "FusedLinearGRPOLoss", "fused_linear_grpo"]
@@ -171,7 +180,7 @@ def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -
 
 
 def _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-                ref_per_token_logps, options: GRPOOptions):
+                ref_per_token_logps, num_items_in_batch, options: GRPOOptions):
     options.check()
     check_head("", input, weight, bias, input_dim=3)
     completions = tuple(input.shape[:2])
@@ -185,6 +194,15 @@ def _check_args(input, weight, completion_ids, completion_mask, advantages, bias
         if logps is not None:
             check_tensor(name, logps, dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), dim=2)
             check_shape(name, logps, completions, "the completions and tokens of input")
+    # Constants of the loss, as in TRL (computed without grad): a gradient asked of them is refused.
+    for name, value, why in (
+        ("completion_mask", completion_mask, "the mask selects tokens and is not differentiated"),
+        ("advantages", advantages, "advantages are constants of the policy-gradient loss"),
+        ("old_per_token_logps", old_per_token_logps, "the sampling policy's log-probs are constants of the ratio"),
+        ("ref_per_token_logps", ref_per_token_logps, "the reference model's log-probs are constants of the KL"),
+        ("num_items_in_batch", num_items_in_batch, "it is a count of tokens"),
+    ):
+        check_constant(name, value, why)
     if options.beta != 0.0 and ref_per_token_logps is None:
         raise ValueError(f"beta = {options.beta} weights a KL to the reference model: ref_per_token_logps is required")
     check_same_device(
@@ -210,21 +228,26 @@ def fused_linear_grpo(
         num_items_in_batch: the step's active tokens for ``dapo``/``cispo`` (int or tensor), or ``None``.
         chunk_memory_bytes: logits memory per chunk of whole completions (default 512 MiB; a
             completion longer than the budget is one chunk).
+    The mask, advantages, old and reference log-probs, ``num_items_in_batch`` and the options are
+    constants of the loss: given as tensors that require grad (with grad mode on), they are refused.
     Returns: the fp32 scalar loss, and a dict of detached fp32 scalars: ``entropy`` (mean over
         the active tokens), ``kl`` (with ``beta``), ``clip_ratio_low``, ``clip_ratio_high`` and
         ``clip_ratio_region`` (clipped loss types), ``cispo_clip_ratio`` or ``vespo_phi_seq_mean``,
         as TRL logs them.
     """
+    numbers = dict(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
+    )
+    check_numbers(**numbers)
     options = GRPOOptions(
-        beta=float(beta), epsilon_low=float(epsilon_low), epsilon_high=float(epsilon_high),
-        delta=None if delta is None else float(delta), loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level, temperature=float(temperature),
-        max_completion_length=max_completion_length, sapo_temperature_pos=float(sapo_temperature_pos),
-        sapo_temperature_neg=float(sapo_temperature_neg), vespo_k_pos=float(vespo_k_pos),
-        vespo_lambda_pos=float(vespo_lambda_pos), vespo_k_neg=float(vespo_k_neg), vespo_lambda_neg=float(vespo_lambda_neg),
+        loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        **{name: None if value is None else float(value) for name, value in numbers.items()},
     )
     _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-                ref_per_token_logps, options)
+                ref_per_token_logps, num_items_in_batch, options)
     mask = completion_mask.bool()
     target = torch.where(mask, completion_ids, IGNORE_INDEX)
     mask = mask.double()

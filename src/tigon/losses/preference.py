@@ -14,7 +14,8 @@ The formulas are those of TRL's trainers, as each docstring writes; ``σ`` is th
 
 Each call returns ``(loss, metrics)``: the fp32 scalar loss and a dict of detached fp32 tensors,
 per pair (or per sequence for KTO). Gradients flow to ``input``, ``weight`` and ``bias``; the
-reference's tensors are constants.
+reference's tensors, KTO's ``kl`` and the options (``beta``...) are constants: given as tensors
+that require grad, they are refused rather than silently left without a gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tigon._checks import INDEX_DTYPES, check_head, check_same_device, check_shape, check_tensor
+from tigon._checks import (
+    INDEX_DTYPES,
+    check_constant,
+    check_head,
+    check_numbers,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from tigon.ops.fused_linear_preference import fused_linear_preference, sequence_logps
 
 __all__ = [
@@ -55,6 +64,8 @@ def _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, pa
         raise ValueError("ref_bias was given without ref_input and ref_weight")
     if ref_input is not None:
         check_head("ref_", ref_input, ref_weight, ref_bias, input_dim=3)
+        for name, tensor in (("ref_input", ref_input), ("ref_weight", ref_weight), ("ref_bias", ref_bias)):
+            check_constant(name, tensor, "the reference model is fixed: its log-probs are constants of the loss")
         if ref_input.shape[:2] != input.shape[:2]:
             raise ValueError(
                 f"ref_input must have shape {tuple(input.shape[:2]) + (ref_input.shape[-1],)} (the sequences and "
@@ -130,6 +141,7 @@ def fused_linear_dpo(input, weight, target, bias=None, ref_input=None, ref_weigh
     ``rejected_rewards``, ``reward_margins`` (and ``nll_loss``).
     """
     _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, True, ignore_index)
+    check_numbers(beta=beta)
     n_pairs = input.shape[0] // 2
     n_chosen_tokens = _n_tokens(target[:n_pairs], ignore_index).sum().clamp(min=1)
 
@@ -157,6 +169,7 @@ def fused_linear_cpo(input, weight, target, bias=None, ref_input=None, ref_weigh
     """
     _check_no_reference("CPO", ref_input, ref_weight, ref_bias)
     _check_args(input, weight, target, bias, None, None, None, True, ignore_index)
+    check_numbers(beta=beta, alpha=alpha, label_smoothing=label_smoothing)
     n_pairs = input.shape[0] // 2
     n_chosen_tokens = _n_tokens(target[:n_pairs], ignore_index).sum().clamp(min=1)
 
@@ -183,6 +196,7 @@ def fused_linear_simpo(input, weight, target, bias=None, ref_input=None, ref_wei
     """
     _check_no_reference("SimPO", ref_input, ref_weight, ref_bias)
     _check_args(input, weight, target, bias, None, None, None, True, ignore_index)
+    check_numbers(beta=beta, gamma=gamma, label_smoothing=label_smoothing)
     n_pairs = input.shape[0] // 2
     n_tokens = _n_tokens(target, ignore_index).clamp(min=1)
 
@@ -208,6 +222,7 @@ def fused_linear_orpo(input, weight, target, bias=None, ref_input=None, ref_weig
     """
     _check_no_reference("ORPO", ref_input, ref_weight, ref_bias)
     _check_args(input, weight, target, bias, None, None, None, True, ignore_index)
+    check_numbers(beta=beta)
     n_pairs = input.shape[0] // 2
     n_tokens = _n_tokens(target, ignore_index).clamp(min=1)
     n_chosen_tokens = n_tokens[:n_pairs].sum()
@@ -234,9 +249,10 @@ def fused_linear_kto(input, weight, target, preference_labels, bias=None, ref_in
                      ref_bias=None, *, kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0,
                      ignore_index=-100, chunk_memory_bytes=None):
     """Kahneman-Tversky optimisation, unpaired: ``preference_labels [S]`` (bool) marks the
-    desirable sequences. With ``r = logp − ref`` and the KL baseline ``z = kl`` (a detached scalar,
-    in TRL the clamped mean of ``logp − ref`` over mismatched prompt/completion pairs, for
-    which :func:`fused_linear_sequence_logps` gives the log-probs; 0 when ``None``)::
+    desirable sequences. With ``r = logp − ref`` and the KL baseline ``z = kl`` (a constant scalar,
+    refused if it requires grad; in TRL the clamped mean of ``logp − ref`` over mismatched
+    prompt/completion pairs, for which :func:`fused_linear_sequence_logps` gives the log-probs; 0
+    when ``None``)::
 
         loss = mean_sequences  w_d·(1 − σ(β·(r − z)))   desirable
                                w_u·(1 − σ(β·(z − r)))   undesirable
@@ -246,6 +262,8 @@ def fused_linear_kto(input, weight, target, preference_labels, bias=None, ref_in
     _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, False, ignore_index)
     check_tensor("preference_labels", preference_labels, dtypes=(torch.bool,), dim=1)
     check_shape("preference_labels", preference_labels, (input.shape[0],), "one per sequence of input")
+    check_constant("kl", kl, "KTO's KL baseline is a constant of the loss (TRL computes it without grad)")
+    check_numbers(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     n_sequences = input.shape[0]
     baseline = torch.zeros((), device=input.device) if kl is None else torch.as_tensor(kl, device=input.device)
     baseline = baseline.detach().float()
@@ -273,9 +291,14 @@ def fused_linear_kto(input, weight, target, preference_labels, bias=None, ref_in
 @torch.compiler.disable
 def fused_linear_sequence_logps(input, weight, target, bias=None, *, ignore_index=-100, chunk_memory_bytes=None):
     """``[S]`` fp32 summed log-probabilities of ``target [S, T]`` under ``input [S, T, H] @ weightᵀ
-    (+ bias)``, chunked like the losses. No gradient flows (for reference models and KTO's KL
-    baseline); the result does not require grad."""
+    (+ bias)``, chunked like the losses, for constants (reference models, KTO's KL baseline): the
+    result does not require grad, and inputs that require grad (with grad mode on) are refused."""
     _check_args(input, weight, target, bias, None, None, None, False, ignore_index)
+    for name, tensor in (("input", input), ("weight", weight), ("bias", bias)):
+        check_constant(
+            name, tensor, "fused_linear_sequence_logps computes constants (reference log-probs, KTO's KL baseline)",
+            f"call it under torch.no_grad() or pass {name}.detach()",
+        )
     with torch.no_grad():
         return sequence_logps(input, weight, target, bias, ignore_index, chunk_memory_bytes)
 
