@@ -1,5 +1,6 @@
 """``tigon check`` end to end, in-process: every op runs against its reference and passes, and a
-failing op turns into a failing exit status rather than a silent "yes"."""
+failing op, or a gradient tigon does not compute, turns into a failing exit status rather than a
+silent "yes"."""
 
 import pytest
 
@@ -29,3 +30,22 @@ def test_an_op_over_its_tolerance_fails(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].split()[0] == "rms_norm" and lines[-2].split()[-1] == "NO"
     assert lines[-1] == "0 passed, 1 failed"
+
+
+def test_a_missing_gradient_fails(capsys, monkeypatch):
+    """An input the reference differentiates but tigon leaves without a gradient fails the op (an
+    infinite gradient error), rather than dropping out of the comparison."""
+    rope = next(case for case in check._cases(small=True) if case.name == "rope")
+    run = rope.run
+
+    def tables_dropped(module, inputs):
+        if module is check.F:
+            inputs = {**inputs, "cos": inputs["cos"].detach(), "sin": inputs["sin"].detach()}
+        return run(module, inputs)
+
+    monkeypatch.setattr(rope, "run", tables_dropped)
+    monkeypatch.setattr(check, "_cases", lambda small: [rope])
+
+    assert check.main() == 1
+    row = capsys.readouterr().out.splitlines()[-2].split()
+    assert row[0] == "rope" and row[-1] == "NO" and "inf" in row
