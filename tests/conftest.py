@@ -17,20 +17,8 @@ def hugging_face_modules_restored():
     """Patching before a model is built changes Hugging Face's modeling modules for the whole
     process (and patching a model changes its module's rotary function): a test using this
     fixture leaves behind the modules as Hugging Face wrote them."""
-    import importlib
+    from utils import hugging_face_state, restore_hugging_face
 
-    from tigon.transformers import FAMILIES
-
-    saved = []
-    for family in FAMILIES.values():
-        module = importlib.import_module(family.module)
-        head = getattr(module, family.head) if family.head else None
-        saved.append((module, dict(vars(module)), head, dict(vars(head)) if head else {}))
+    state = hugging_face_state()
     yield
-    for module, names, head, class_names in saved:
-        vars(module).update(names)
-        for method in ("forward", "post_init") if head else ():
-            if method in class_names:
-                setattr(head, method, class_names[method])
-            elif method in vars(head):
-                delattr(head, method)
+    restore_hugging_face(state)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 ON_GPU = torch.cuda.is_available()
@@ -54,3 +56,28 @@ def randn(*shape, dtype=torch.float32, requires_grad=False, scale=1.0):
 def leaf_copies(*tensors, dtype=torch.float64):
     """Detached copies that require grad: the fp64 copies feed the reference."""
     return [None if t is None else t.detach().to(dtype).requires_grad_(t.requires_grad) for t in tensors]
+
+
+def hugging_face_state():
+    """What tigon's patches change in Hugging Face's modeling modules: each module's names, and the
+    ``forward`` and ``post_init`` of each family's head class."""
+    from tigon.transformers import FAMILIES
+
+    state = []
+    for family in FAMILIES.values():
+        module = importlib.import_module(family.module)
+        head = getattr(module, family.head) if family.head else None
+        methods = {name: vars(head).get(name) for name in ("forward", "post_init")} if head else {}
+        state.append((module, dict(vars(module)), head, methods))
+    return state
+
+
+def restore_hugging_face(state) -> None:
+    """Put back the modules and head classes as :func:`hugging_face_state` saw them."""
+    for module, names, head, methods in state:
+        vars(module).update(names)
+        for name, method in methods.items():
+            if method is not None:
+                setattr(head, name, method)
+            elif name in vars(head):
+                delattr(head, name)

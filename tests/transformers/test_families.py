@@ -1,14 +1,16 @@
 """Every family, patched both ways, trains as the plain Hugging Face model does."""
 
+import functools
 import importlib
 
 import pytest
 import torch
+import transformers
 
 from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
 from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
 from tiny_models import TINY, replay, tiny_config, tiny_model, train
-from utils import relative_error
+from utils import hugging_face_state, relative_error, restore_hugging_face
 
 
 def build(model_type, **options):
@@ -80,37 +82,88 @@ BF16_GRADS_FACTOR, BF16_GRAD_FACTOR, BF16_GRAD_FLOOR = 1.25, 4.0, 2.0**-8
 # attention without RoPE (CLIP's and SigLIP's vision towers), as softmax ignores a shift shared by
 # all keys. Such a gradient is compared absolutely, within ZERO_GRAD of the whole gradient's norm.
 ZERO_GRAD = 1e-7
+# Some gradients are ill-conditioned in fp32: rounding errors of order 1e-7 upstream move them by
+# 1e-5 or more, so Hugging Face's own fp32 model computes them far from the exact (fp64) value, e.g.
+# the decay parameters (A_log, dt_bias) of Gated DeltaNet's chunked recurrence (3-6e-4 off in
+# Qwen3-Next) and DeepSeek V4's hyper-connection head (up to 2e-5). Where the patched model's
+# gradient is not within TIGHT of Hugging Face's fp32 one, the same weights are replayed in fp64:
+# the gradient counts as ill-conditioned if Hugging Face's fp32 one is more than ILL_CONDITIONED_FROM
+# (16 times fp32's unit roundoff) from the exact one, and the patched gradient must then be as close
+# to the exact one as Hugging Face's fp32 is, within ILL_CONDITIONED times its distance (the
+# per-parameter factor of the bf16 comparison below).
+ILL_CONDITIONED_FROM, ILL_CONDITIONED = 1e-6, 4.0
 
 
-def assert_replays(run, truth):
+def exact_replay(model_type, truth, batch):
+    """A function giving (once) ``truth``'s weights replayed in fp64 by the model as Hugging Face
+    wrote it, whatever tigon has patched by then (MoE experts by their eager loop, as grouped
+    matmuls take no fp64)."""
+    plain = hugging_face_state()
+
+    @functools.cache
+    def run():
+        patched = hugging_face_state()
+        restore_hugging_face(plain)
+        try:
+            model = build(model_type).double()
+            for module in model.modules():
+                if isinstance(getattr(module, "config", None), transformers.PretrainedConfig):
+                    module.config._experts_implementation = "eager"
+            inputs = batch and {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+            return replay(model, truth, inputs)
+        finally:
+            restore_hugging_face(patched)
+
+    return run
+
+
+def assert_grads_match(grads, truth_grads, where, exact=None):
+    """Each gradient within TIGHT of the truth's (a zero one within ZERO_GRAD of the whole
+    gradient's norm), or, for an ill-conditioned one, as close to ``exact()``'s (the fp64 replay's
+    gradients, computed when first needed) as the truth's within ILL_CONDITIONED."""
+    assert grads.keys() == truth_grads.keys()
+    scale = torch.cat([grad.flatten().double() for grad in truth_grads.values()]).norm()
+    for name, grad in truth_grads.items():
+        if grad.double().norm() <= ZERO_GRAD * scale:
+            error = (grads[name].double() - grad.double()).norm() / scale
+            assert error <= ZERO_GRAD, f"{where}: grad of {name} (zero): {error:.3g} of the gradient's norm"
+            continue
+        error = relative_error(grads[name], grad)
+        if error <= TIGHT:
+            continue
+        assert exact is not None, f"{where}: grad of {name}: relative error {error:.3g}"
+        truth_error, patched_error = relative_error(grad, exact()[name]), relative_error(grads[name], exact()[name])
+        assert truth_error > ILL_CONDITIONED_FROM and patched_error <= ILL_CONDITIONED * truth_error, (
+            f"{where}: grad of {name}: {error:.3g} from Hugging Face fp32; from fp64 {patched_error:.3g}, "
+            f"Hugging Face fp32 {truth_error:.3g}"
+        )
+
+
+def assert_replays(run, truth, exact_run=None):
+    """``run`` (a replay of ``truth``) gives ``truth``'s losses, gradients and eval logits;
+    ``exact_run()`` is the fp64 replay, for ill-conditioned gradients."""
     for step, loss in enumerate(truth.losses):
         assert relative_error(run.losses[step], loss) <= TIGHT, f"loss at step {step}"
-        assert run.grads[step].keys() == truth.grads[step].keys()
-        scale = torch.cat([grad.flatten().double() for grad in truth.grads[step].values()]).norm()
-        for name, grad in truth.grads[step].items():
-            if grad.double().norm() <= ZERO_GRAD * scale:
-                error = (run.grads[step][name].double() - grad.double()).norm() / scale
-                assert error <= ZERO_GRAD, f"grad of {name} (zero) at step {step}: {error:.3g} of the gradient's norm"
-                continue
-            error = relative_error(run.grads[step][name], grad)
-            assert error <= TIGHT, f"grad of {name} at step {step}: relative error {error:.3g}"
+        exact = None if exact_run is None else (lambda step=step: exact_run().grads[step])
+        assert_grads_match(run.grads[step], truth.grads[step], f"step {step}", exact)
     assert relative_error(run.eval_logits, truth.eval_logits) <= TIGHT, "eval logits"
 
 
 def test_every_family_has_a_tiny_model():
-    assert sorted(TINY) + sorted(TINY_FAMILIES) == sorted(FAMILIES)
+    assert sorted([*TINY, *TINY_FAMILIES]) == sorted(FAMILIES)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_family_trains_like_plain(model_type):
     batch = batch_of(model_type)
     truth = train(build(model_type), batch)
+    exact_run = exact_replay(model_type, truth, batch)
 
     # A built model, patched in place (the "pixtral" case: the Llava model holding the tower).
     patched = apply_tigon(build(model_type))
     outer_type = patched.config.model_type
     assert_uses_tigon(patched, outer_type)
-    assert_replays(replay(patched, truth, batch), truth)
+    assert_replays(replay(patched, truth, batch), truth, exact_run)
 
     # The modeling module, patched before the model is built: same initial weights, trained on its own.
     patch_modules(model_type)
@@ -120,9 +173,7 @@ def test_family_trains_like_plain(model_type):
     for step, loss in enumerate(truth.losses):
         limit = TIGHT if step == 0 else LATER_LOSSES
         assert relative_error(run.losses[step], loss) <= limit, f"trained on its own: loss at step {step}"
-    for name, grad in truth.grads[0].items():
-        error = relative_error(run.grads[0][name], grad)
-        assert error <= TIGHT, f"trained on its own: grad of {name} at step 0: relative error {error:.3g}"
+    assert_grads_match(run.grads[0], truth.grads[0], "trained on its own, step 0", lambda: exact_run().grads[0])
 
 
 def _flat_grads(grads):
@@ -154,7 +205,8 @@ def assert_bf16_as_close_to_fp32_as_plain(patched, plain, truth):
 def test_vision_language_model_text_only(model_type):
     batch = batch_of(model_type, images=False)
     truth = train(build(model_type), batch)
-    assert_replays(replay(apply_tigon(build(model_type)), truth, batch), truth)
+    exact_run = exact_replay(model_type, truth, batch)
+    assert_replays(replay(apply_tigon(build(model_type)), truth, batch), truth, exact_run)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -69,7 +69,8 @@ _SIGLIP = dict(
     hidden_size=_V_HIDDEN, intermediate_size=_V_INTER, num_hidden_layers=2, num_attention_heads=_V_HEADS,
 )
 _CLIP = dict(_SIGLIP, model_type="clip_vision_model", projection_dim=_V_HIDDEN)
-_PIXTRAL = dict(_SIGLIP, model_type="pixtral", head_dim=_V_HIDDEN // _V_HEADS, patch_size=14)
+# SiLU as in Pixtral-12B's and Mistral Small 3.1's towers (PixtralVisionConfig defaults to GELU).
+_PIXTRAL = dict(_SIGLIP, model_type="pixtral", head_dim=_V_HIDDEN // _V_HEADS, patch_size=14, hidden_act="silu")
 
 # Text sub-configs of the multimodal-RoPE families without a head_dim option: width 64 on the CPU
 # (head_dim 16), so that the (t, h, w) sections of the rotary frequencies are not empty.
