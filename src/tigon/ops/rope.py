@@ -43,7 +43,10 @@ axis: it loads its cos/sin rows once and rotates every head of its slice with th
 Bytes per call (the roofline): forward reads q and k and writes q_rot and k_rot,
 ``2·B·T·(Hq + Hk)·D`` elements; the backward moves the same amount. The tables, ``2·B·T·W``
 elements (three times that for M-RoPE), are read once per slice of heads and mostly hit in L2.
-Interleaved pairs are read (or written) as two stride-2 accesses to the same cache lines.
+Interleaved pairs are moved as the plain ones are: a side in that layout is read (or written) as
+each row's whole rotated slice, one contiguous block, and split into its pairs (or joined back)
+in registers, so the heads' accesses are vectorised and the head loop exchanges nothing
+through shared memory.
 """
 
 from __future__ import annotations
@@ -77,26 +80,66 @@ class RotaryVariant(NamedTuple):
 
 
 @triton.jit
+def _load_pairs(pointer, mask):
+    """Loads ``[BLOCK_T, 2·BLOCK_HALF]`` features as one contiguous block (vectorised loads) and
+    splits it in registers into the members ``(f[2j], f[2j + 1])`` of each pair, as fp32."""
+    features = tl.load(pointer, mask=mask, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(features, (features.shape[0], features.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _store_pairs(pointer, value_a, value_b, mask):
+    """Stores the members of each pair interleaved, ``f[2j] = value_a[j]``, ``f[2j + 1] = value_b[j]``:
+    joined in registers into one contiguous block."""
+    features = tl.join(value_a, value_b)
+    features = tl.reshape(features, (features.shape[0], features.shape[1] * 2))
+    tl.store(pointer, features.to(pointer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotate_heads(
     x, out, n_heads, stride_xh, stride_oh,
-    cos_a, cos_b, sin_a, sin_b, read_a, read_b, write_a, write_b, rotary_mask, pass_cols, pass_mask,
-    PASS_DIM: tl.constexpr,
+    cos_a, cos_b, sin_a, sin_b, member_a, member_b, rotary_mask, features, features_mask, pass_cols, pass_mask,
+    READ_INTERLEAVED: tl.constexpr, WRITE_INTERLEAVED: tl.constexpr, PASS_DIM: tl.constexpr,
 ):
     """Rotates ``n_heads`` consecutive heads; ``x`` and ``out`` point at the first head's
     ``[BLOCK_T, 1]`` rows and advance one head stride per step (pointer arithmetic is 64-bit).
-    ``read_*`` / ``write_*`` are the feature offsets of each pair's members in ``x`` and ``out``."""
+    A half-split side holds pair ``j``'s members at the offsets ``member_a``, ``member_b``
+    (``[1, BLOCK_HALF]``, two contiguous accesses); an interleaved side is accessed as the whole
+    rotated slice, ``features`` (``[1, 2·BLOCK_HALF]``), and (de)interleaved in registers."""
     for _ in range(n_heads):
-        x_a = tl.load(x + read_a, mask=rotary_mask, other=0.0).to(tl.float32)
-        x_b = tl.load(x + read_b, mask=rotary_mask, other=0.0).to(tl.float32)
+        if READ_INTERLEAVED:
+            x_a, x_b = _load_pairs(x + features, features_mask)
+        else:
+            x_a = tl.load(x + member_a, mask=rotary_mask, other=0.0).to(tl.float32)
+            x_b = tl.load(x + member_b, mask=rotary_mask, other=0.0).to(tl.float32)
         out_a = x_a * cos_a - x_b * sin_a
         out_b = x_b * cos_b + x_a * sin_b
-        tl.store(out + write_a, out_a.to(out.dtype.element_ty), mask=rotary_mask)
-        tl.store(out + write_b, out_b.to(out.dtype.element_ty), mask=rotary_mask)
+        if WRITE_INTERLEAVED:
+            _store_pairs(out + features, out_a, out_b, features_mask)
+        else:
+            tl.store(out + member_a, out_a.to(out.dtype.element_ty), mask=rotary_mask)
+            tl.store(out + member_b, out_b.to(out.dtype.element_ty), mask=rotary_mask)
         if PASS_DIM > 0:
             passed = tl.load(x + pass_cols, mask=pass_mask)
             tl.store(out + pass_cols, passed, mask=pass_mask)
         x += stride_xh
         out += stride_oh
+
+
+@triton.jit
+def _in_planes(table, pair, stride_plane, mrope_bound_1, mrope_bound_2, MROPE: tl.constexpr):
+    """``table`` (pointing at this program's rows) moved to the M-RoPE plane of each pair in ``pair``."""
+    if MROPE == 1:  # sectioned: [0, t) → plane 0, [t, t + h) → 1, the rest → 2
+        plane = (pair >= mrope_bound_1).to(tl.int64) + (pair >= mrope_bound_2).to(tl.int64)
+        table += plane * stride_plane
+    elif MROPE == 2:  # interleaved: j % 3 == 1 below 3h → plane 1, j % 3 == 2 below 3w → 2, else 0
+        phase = pair % 3
+        plane = tl.where(
+            (phase == 1) & (pair < mrope_bound_1), 1, tl.where((phase == 2) & (pair < mrope_bound_2), 2, 0)
+        )
+        table += plane.to(tl.int64) * stride_plane
+    return table
 
 
 @triton.jit
@@ -134,52 +177,41 @@ def rope_kernel(
     rotary_mask = row_mask & (pair < HALF_ROTARY)
     pass_cols = PASS_START + tl.arange(0, BLOCK_PASS)[None, :]
     pass_mask = row_mask & (tl.arange(0, BLOCK_PASS)[None, :] < PASS_DIM)
-
-    # Offsets of pair j's members (a, b) within the rotated slice, in the forward's input and output.
-    if PAIRS_INTERLEAVED:
-        in_a = 2 * pair
-        in_b = in_a + 1
-    else:
-        in_a = pair
-        in_b = pair + HALF_ROTARY
-    if OUT_INTERLEAVED:
-        out_a = 2 * pair
-        out_b = out_a + 1
-    else:
-        out_a = pair
-        out_b = pair + HALF_ROTARY
+    # Offsets within the rotated slice. A half-split side holds pair j's members at (j, j + P).
+    # Interleaved pairs (x[2j], x[2j + 1]) are not read as two stride-2 gathers (scalar accesses,
+    # and a layout conversion through shared memory): a side in that layout is read and written
+    # as its whole slice, one contiguous block, split into pairs or joined back in registers.
+    half_a, half_b = pair, pair + HALF_ROTARY
+    feature = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+    features_mask = row_mask & (feature < 2 * HALF_ROTARY)
 
     # A full-width table is indexed like the forward's output, a half-width one by pair.
     cos = COS + batch * stride_cos_b + rows * stride_cos_t
     sin = SIN + batch * stride_sin_b + rows * stride_sin_t
-    if MROPE == 1:  # sectioned: [0, t) → plane 0, [t, t + h) → 1, the rest → 2
-        plane = (pair >= mrope_bound_1).to(tl.int64) + (pair >= mrope_bound_2).to(tl.int64)
-        cos += plane * stride_cos_plane
-        sin += plane * stride_sin_plane
-    elif MROPE == 2:  # interleaved: j % 3 == 1 below 3h → plane 1, j % 3 == 2 below 3w → 2, else 0
-        phase = pair % 3
-        plane = tl.where(
-            (phase == 1) & (pair < mrope_bound_1), 1, tl.where((phase == 2) & (pair < mrope_bound_2), 2, 0)
+    if OUT_INTERLEAVED and not HALF_TABLE:
+        # Entries (2j, 2j + 1): the rows' whole slice, each entry in its pair's plane.
+        cos_a, cos_b = _load_pairs(
+            _in_planes(cos, feature // 2, stride_cos_plane, mrope_bound_1, mrope_bound_2, MROPE) + feature,
+            features_mask,
         )
-        cos += plane.to(tl.int64) * stride_cos_plane
-        sin += plane.to(tl.int64) * stride_sin_plane
-    if HALF_TABLE:
-        entry_a, entry_b = pair, pair
-    else:
-        entry_a, entry_b = out_a, out_b
-    cos_a, cos_b = _load_table(cos, entry_a, entry_b, rotary_mask, HALF_TABLE)
-    sin_a, sin_b = _load_table(sin, entry_a, entry_b, rotary_mask, HALF_TABLE)
+        sin_a, sin_b = _load_pairs(
+            _in_planes(sin, feature // 2, stride_sin_plane, mrope_bound_1, mrope_bound_2, MROPE) + feature,
+            features_mask,
+        )
+    else:  # entries (j, j + P), or j for a half-width table
+        cos = _in_planes(cos, pair, stride_cos_plane, mrope_bound_1, mrope_bound_2, MROPE)
+        sin = _in_planes(sin, pair, stride_sin_plane, mrope_bound_1, mrope_bound_2, MROPE)
+        cos_a, cos_b = _load_table(cos, half_a, half_b, rotary_mask, HALF_TABLE)
+        sin_a, sin_b = _load_table(sin, half_a, half_b, rotary_mask, HALF_TABLE)
     if TRANSPOSED:
         # Mᵀ = [[cos_a, sin_b], [−sin_a, cos_b]]: the forward's formula with the sines swapped and
         # negated, reading the incoming gradient in the output's layout and writing the input's.
         sin_a, sin_b = -sin_b, -sin_a
-        read_a, read_b, write_a, write_b = out_a, out_b, in_a, in_b
+        read_interleaved, write_interleaved = OUT_INTERLEAVED, PAIRS_INTERLEAVED
     else:
-        read_a, read_b, write_a, write_b = in_a, in_b, out_a, out_b
-    if ROTARY_START > 0:  # the rotated slice is the last R features (rotary_last)
-        read_a, read_b, write_a, write_b = (
-            ROTARY_START + read_a, ROTARY_START + read_b, ROTARY_START + write_a, ROTARY_START + write_b
-        )
+        read_interleaved, write_interleaved = PAIRS_INTERLEAVED, OUT_INTERLEAVED
+    # The rotated slice starts at feature 0, or at D − R with rotary_last.
+    member_a, member_b, features = ROTARY_START + half_a, ROTARY_START + half_b, ROTARY_START + feature
 
     # This program's heads [first_head, end_head) of q ‖ k: the part below q_heads is q's, the
     # rest k's (a part may be empty: a count ≤ 0 runs no step).
@@ -190,15 +222,15 @@ def rope_kernel(
         Q + batch * stride_qb + first_head.to(tl.int64) * stride_qh + rows * stride_qt,
         Q_OUT + batch * stride_qob + first_head.to(tl.int64) * stride_qoh + rows * stride_qot,
         tl.minimum(end_head, q_heads) - first_head, stride_qh, stride_qoh,
-        cos_a, cos_b, sin_a, sin_b, read_a, read_b, write_a, write_b, rotary_mask, pass_cols, pass_mask,
-        PASS_DIM,
+        cos_a, cos_b, sin_a, sin_b, member_a, member_b, rotary_mask, features, features_mask, pass_cols, pass_mask,
+        read_interleaved, write_interleaved, PASS_DIM,
     )
     _rotate_heads(
         K + batch * stride_kb + first_k_head.to(tl.int64) * stride_kh + rows * stride_kt,
         K_OUT + batch * stride_kob + first_k_head.to(tl.int64) * stride_koh + rows * stride_kot,
         tl.maximum(end_head - q_heads, 0) - first_k_head, stride_kh, stride_koh,
-        cos_a, cos_b, sin_a, sin_b, read_a, read_b, write_a, write_b, rotary_mask, pass_cols, pass_mask,
-        PASS_DIM,
+        cos_a, cos_b, sin_a, sin_b, member_a, member_b, rotary_mask, features, features_mask, pass_cols, pass_mask,
+        read_interleaved, write_interleaved, PASS_DIM,
     )
 
 
@@ -267,6 +299,15 @@ def rope_rotate(
         1, min(MAX_HEADS_PER_PROGRAM, batch * position_blocks * n_heads // num_programs_for(q.device, 8))
     )
     grid = (position_blocks, batch, triton.cdiv(n_heads, heads_per_program))
+    block_half = triton.next_power_of_2(half_rotary)
+    if interleaved:
+        # A thread splits each 16-byte vector it loads of an interleaved slice into half as many
+        # pairs. With at most 8 bytes of a [block_t, block_half] half per thread, those are the
+        # very pairs it reads or writes on the half-split side and in the tables: no value has to
+        # cross threads (Triton would exchange them through shared memory in the loop).
+        num_warps = max(1, min(16, block_t * block_half * q.element_size() // 256))
+    else:
+        num_warps = max(1, min(4, block_t * triton.next_power_of_2(head_dim) // 512))
     rope_kernel[grid](
         q, k, cos, sin, q_out, k_out,
         seq_len, q_heads, n_heads, heads_per_program, mrope_bound_1, mrope_bound_2,
@@ -279,9 +320,9 @@ def rope_rotate(
         ROTARY_START=pass_dim if rotary_last else 0, PASS_START=0 if rotary_last else rotary_dim,
         PAIRS_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved and not deinterleave_output,
         HALF_TABLE=cos.shape[-1] == half_rotary, MROPE=mrope, TRANSPOSED=transposed,
-        BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(half_rotary),
+        BLOCK_T=block_t, BLOCK_HALF=block_half,
         BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
-        num_warps=max(1, min(4, block_t * triton.next_power_of_2(head_dim) // 512)),
+        num_warps=num_warps,
     )
     return q_out, k_out
 
