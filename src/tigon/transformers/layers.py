@@ -55,6 +55,9 @@ class TigonGatedRMSNorm(TigonRMSNorm):
         eps = getattr(self, self.eps_attribute)
         if gate is None:
             return F.rms_norm(hidden_states, self.weight, eps, casting_mode=self.casting_mode)
+        # Falcon-H1's mixer gives an fp32 input and a gate in the model's dtype, which the module
+        # takes in fp32: the gate widened to the input's dtype is exact.
+        gate = gate.to(hidden_states.dtype)
         group_size = hidden_states.shape[-1] // getattr(self, "n_groups", 1)
         return F.rms_norm_gated(
             hidden_states, gate, self.weight, eps, group_size=group_size,
