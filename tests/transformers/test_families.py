@@ -10,7 +10,7 @@ import transformers
 from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
 from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
 from tiny_models import TINY, replay, tiny_config, tiny_model, train
-from utils import hugging_face_state, relative_error, restore_hugging_face
+from utils import ON_GPU, hugging_face_state, relative_error, restore_hugging_face
 
 
 def build(model_type, **options):
@@ -219,7 +219,7 @@ def test_vision_language_model_text_only(model_type):
     assert_replays(replay(apply_tigon(build(model_type)), truth, batch), truth, exact_run)
 
 
-# Open: in bf16 one gradient of these tiny models lands several times further from fp32 than Hugging
+# Open: in bf16 one gradient of these tiny CPU models (the GPU's larger ones pass) lands several times further from fp32 than Hugging
 # Face's bf16 does, though every fp32 comparison holds. DeepSeek V4: a MoE router's weight (0.175
 # against 0.024), whose gradient changes wholesale when a token changes expert; Qwen3.5: Gated
 # DeltaNet's dt_bias (0.097 against 0.006), whose fp32 gradient is already ill-conditioned (Hugging
@@ -230,8 +230,8 @@ BF16_OPEN = {"deepseek_v4", "qwen3_5_text"}
 @pytest.mark.parametrize(
     "model_type",
     [
-        pytest.param(t, marks=pytest.mark.xfail(strict=True, reason="one bf16 gradient farther than HF's")) if t in BF16_OPEN
-        else t
+        pytest.param(t, marks=pytest.mark.xfail(not ON_GPU, strict=True, reason="one bf16 gradient farther than HF's"))
+        if t in BF16_OPEN else t
         for t in sorted(FAMILIES)
     ],
 )
