@@ -271,6 +271,34 @@ def test_rms_norm_gated_module_loads_hugging_face_weights():
     assert_close(module(x), hf(x), torch.float32, "module output without a gate")
 
 
+# Rows of 512 or fewer features stack many rows into a tile and, given rows enough, a backward
+# program loops over several tiles (on the CPU: 33 tiles of 16 rows over 4 programs; groups of 40
+# in 17 tiles of 32 over 2 programs a group; the few rows of SHAPES take the swept grid): a row
+# count that is no multiple of any tile, widths and groups that are not powers of two, dw summed
+# over several programs' partials.
+SHORT_ROWS = pick(cpu=(515, 120), gpu=(70001, 120))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "gated", "gated_groups_of_40"])
+def test_short_rows(op, dtype):
+    if op.startswith("gated"):
+        x, gate, weight = _gated_inputs(SHORT_ROWS, dtype)
+        _check_gated(x, gate, weight, group_size=40 if op == "gated_groups_of_40" else None)
+        return
+    x, residual = (randn(*SHORT_ROWS, dtype=dtype, requires_grad=True) for _ in range(2))
+    weight = randn(SHORT_ROWS[-1], dtype=dtype, requires_grad=True)
+    if op == "rms_norm":
+        x64, w64 = leaf_copies(x, weight)
+        _check([tf.rms_norm(x, weight)], [reference.rms_norm(x64, w64)], {"x": x, "weight": weight}, [x64, w64], dtype)
+        return
+    x64, r64, w64 = leaf_copies(x, residual, weight)
+    _check(
+        list(tf.fused_add_rms_norm(x, residual, weight)), list(reference.fused_add_rms_norm(x64, r64, w64)),
+        {"x": x, "residual": residual, "weight": weight}, [x64, r64, w64], dtype,
+    )
+
+
 def test_gated_custom_ops_fake_matches_real():
     x = randn(64, 40, dtype=torch.bfloat16).t()
     gate = randn(40, 64, dtype=torch.bfloat16)

@@ -34,6 +34,14 @@ and may normalise each of ``H / group_size`` equal slices of the row on its own 
 A group is one program's row: the grid's second axis runs over the groups of a row (one when
 there are none), so the kernels below serve all three ops.
 
+Launch geometry: a program holds a ``[BLOCK_M, BLOCK_N]`` tile of rows (groups). Rows wider than
+512 keep the H100-swept helpers of :mod:`tigon.ops._launch` (one to four rows a forward program,
+one persistent backward program per SM with 8K-16K-element steps). Shorter rows (Qwen3-Next's
+per-head [N·heads, 128], Qwen3's q/k norms) stack many rows into one tile of 16 elements a thread:
+4K-element forward programs and, when there are rows enough for 4+ of them per SM, backward
+programs of 64+ rows looping over 2K-element tiles, several resident per SM so that the hardware
+overlaps one program's loads with another's arithmetic.
+
 Shapes: ``x [..., H]`` (and ``gate``) of fp32/bf16/fp16 with any row stride, ``weight [H]``;
 ``rstd`` is saved per row (per group) in fp32. Bytes per call (the roofline): forward reads x and
 writes y (2·N·H elements, plus the residual pair for the fused op, plus the gate for the gated
@@ -58,6 +66,24 @@ from tigon.ops._launch import (
 from tigon.ops.gated import gate_activation
 
 CASTING_MODES = ("llama", "gemma")
+
+# Rows (groups) narrower than this (as a power of two) take the short-row geometry below.
+SHORT_ROW = 1024
+# Short rows: elements a thread holds per tensor (two 16-byte loads of bf16), a forward
+# program's tile (8 warps, 32-64 registers: 4-5 programs resident per SM on an H100) and a
+# backward step's tile (4 warps: x, dy, gate and their products take 80-170 registers by
+# variant, so 3-6 programs fit).
+SHORT_ROW_ELEMENTS_PER_THREAD = 16
+SHORT_ROW_FWD_TILE = 4096
+SHORT_ROW_BWD_TILE = 2048
+# Backward programs for short rows: up to 16 per SM, more than fit at once, so that the hardware
+# starts a program wherever one ends (no variant's register count can leave part of a persistent
+# grid waiting for a second pass) in 3-5 waves; at least 64 rows each, so that a program's fp32
+# dw partial (written, then read by the final sum) is at most ~2% of the bytes its rows move; and
+# at least 4 per SM, or the swept geometry's larger steps hide the loads better.
+SHORT_ROW_BWD_PROGRAMS_PER_SM = 16
+SHORT_ROW_BWD_MIN_PROGRAMS_PER_SM = 4
+SHORT_ROW_BWD_MIN_ROWS = 64
 
 
 @triton.jit
@@ -121,9 +147,11 @@ def rms_norm_bwd_kernel(
     ROUND_BEFORE_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Persistent grid: program p handles row blocks p, p + P, p + 2P, ... and keeps its share of
-    # dw in registers, so the weight gradient needs one small [P, H] reduction afterwards instead
-    # of atomics or a serial pass over the rows. The grid's second axis is the group, as in forward.
+    # Program p handles row blocks p, p + P, p + 2P, ... and keeps its share of dw in registers,
+    # so the weight gradient needs one small [P, H] reduction afterwards instead of atomics or a
+    # serial pass over the rows. P is one program per SM for long rows (a persistent grid) and a
+    # few waves of smaller programs for many short ones. The grid's second axis is the group, as
+    # in forward.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     group = tl.program_id(1)
@@ -191,8 +219,7 @@ def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, grou
     y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     rstd = torch.empty(n_rows * n_groups, dtype=torch.float32, device=x2d.device)
     sum_out = torch.empty_like(y) if residual2d is not None else y.new_empty(0)
-    block_n, num_warps = row_launch_config(group_size, x2d.element_size())
-    block_m = rows_per_block(group_size)
+    block_m, block_n, num_warps = _fwd_geometry(group_size, x2d.element_size())
     rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m), n_groups)](
         x2d, residual2d, gate2d, weight, y, sum_out, rstd,
         n_rows, group_size,
@@ -214,10 +241,7 @@ def _launch_bwd(dy2d, dsum2d, x2d, gate2d, weight, rstd, offset, casting_mode, g
     n_groups = n_cols // group_size
     dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
     dgate = torch.empty((n_rows, n_cols), dtype=gate2d.dtype, device=x2d.device) if gate2d is not None else dx.new_empty(0)
-    block_n = triton.next_power_of_2(group_size)
-    block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
-    programs = triton.cdiv(num_programs_for(x2d.device, programs_per_sm), n_groups)
-    n_programs = max(1, min(triton.cdiv(n_rows, block_m), programs))
+    block_m, block_n, num_warps, n_programs = _bwd_geometry(group_size, n_rows, n_groups, x2d.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else None
     rms_norm_bwd_kernel[(n_programs, n_groups)](
         x2d, gate2d, weight, rstd, dy2d, dsum2d, dx, dgate, dw_partial,
@@ -232,6 +256,44 @@ def _launch_bwd(dy2d, dsum2d, x2d, gate2d, weight, rstd, offset, casting_mode, g
     )
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else x2d.new_empty(0)
     return dx, dgate, dw
+
+
+def _fwd_geometry(group_size: int, element_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the forward, a program per ``BLOCK_M`` rows."""
+    block_n = triton.next_power_of_2(group_size)
+    if block_n < SHORT_ROW:
+        return _short_row_tile(block_n, SHORT_ROW_FWD_TILE)
+    block_n, num_warps = row_launch_config(group_size, element_size)
+    return rows_per_block(group_size), block_n, num_warps
+
+
+def _bwd_geometry(group_size: int, n_rows: int, n_groups: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, programs)`` of the backward, ``programs`` per group: the
+    short-row grid when there are rows enough to fill it, else the swept persistent one."""
+    block_n = triton.next_power_of_2(group_size)
+    if block_n < SHORT_ROW:
+        block_m, block_n, num_warps = _short_row_tile(block_n, SHORT_ROW_BWD_TILE)
+        programs = min(
+            triton.cdiv(n_rows, max(block_m, SHORT_ROW_BWD_MIN_ROWS)),
+            triton.cdiv(num_programs_for(device, SHORT_ROW_BWD_PROGRAMS_PER_SM), n_groups),
+        )
+        if programs * n_groups >= num_programs_for(device, SHORT_ROW_BWD_MIN_PROGRAMS_PER_SM):
+            return block_m, block_n, num_warps, programs
+    block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
+    programs = triton.cdiv(num_programs_for(device, programs_per_sm), n_groups)
+    return block_m, block_n, num_warps, max(1, min(triton.cdiv(n_rows, block_m), programs))
+
+
+def _short_row_tile(block_n: int, tile: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of a ``[BLOCK_M, block_n]`` tile of ``tile`` elements
+    (both powers of two), ``SHORT_ROW_ELEMENTS_PER_THREAD`` of them a thread.
+
+    Warps follow the tile, not the row: the row-length rule of ``row_launch_config`` gives a
+    128-wide row one warp, which then holds 64 elements of each tensor a thread for a 2K tile and
+    ~140 registers, leaving an SM ~14 warps to hide the loads and the reductions.
+    """
+    block_m = max(1, tile // block_n)
+    return block_m, block_n, max(1, block_m * block_n // (32 * SHORT_ROW_ELEMENTS_PER_THREAD))
 
 
 def _row_stride(t: torch.Tensor | None) -> int:
