@@ -14,16 +14,18 @@ re-exports :class:`RMSNorm` and :class:`ApplyRotaryPosEmb` from the installed ti
 repository holds no kernel code, so it always runs the tigon installed beside it, and nothing is
 fetched from the Hub. :func:`kernel_config` returns the ``transformers.KernelConfig`` that names it.
 
-One name stands for the layers of many models, and tigon is exact for the families of
+One name stands for the layers of many models, and tigon is exact for the rows of
 :data:`~tigon.transformers.families.FAMILIES` only: a layer of any other model keeps its own
-forward.
+forward. An RMSNorm is served with its row's epsilon attribute, offset and casting, a rotary
+function with its row's drop-in (rotate-half, GPT-OSS's half tables, GLM's interleaved pairs).
 
 What the hub does not reach in transformers 5.17, and :func:`~tigon.transformers.apply_tigon`
 does: the MLP (no MLP class is registered; only its activation, as ``"SiLU"``, which tigon has no
 kernel for alone), the loss (models call their ``loss_function`` on the logits, and no layer is
 registered as ``"ForCausalLMLoss"``, though transformers' default mapping names it, so the fused
-linear cross entropy has nothing to replace), Phi-3's rotary function and the Gemma RMSNorms
-(not registered).
+linear cross entropy has nothing to replace), and the norms and rotary functions a family does not
+register (the Gemma line's RMSNorms, Phi-3's rotary function, ...: ``tests/transformers/
+test_kernel_hub.py`` lists them).
 """
 
 from __future__ import annotations
