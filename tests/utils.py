@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -60,7 +61,9 @@ def leaf_copies(*tensors, dtype=torch.float64):
 
 def hugging_face_state():
     """What tigon's patches change in Hugging Face's modeling modules: each module's names, and the
-    ``forward`` and ``post_init`` of each family's head class."""
+    ``forward`` and ``post_init`` of each family's head class; and PEFT's ``lora.Linear.forward``."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
     from tigon.transformers import FAMILIES
 
     state = []
@@ -69,15 +72,31 @@ def hugging_face_state():
         head = getattr(module, family.head) if family.head else None
         methods = {name: vars(head).get(name) for name in ("forward", "post_init")} if head else {}
         state.append((module, dict(vars(module)), head, methods))
+    state.append((None, {}, LoraLinear, {"forward": vars(LoraLinear)["forward"]}))
     return state
 
 
 def restore_hugging_face(state) -> None:
     """Put back the modules and head classes as :func:`hugging_face_state` saw them."""
     for module, names, head, methods in state:
-        vars(module).update(names)
+        if module is not None:
+            vars(module).update(names)
         for name, method in methods.items():
             if method is not None:
                 setattr(head, name, method)
             elif name in vars(head):
                 delattr(head, name)
+
+
+class MatmulFlops(TorchDispatchMode):
+    """Counts ``2·m·n·k`` over every matmul run in the mode (all overloads, in-place and out=)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[-2:]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))

@@ -28,6 +28,7 @@ from tigon.ops import fused_linear_cross_entropy as _fused_linear_cross_entropy
 from tigon.ops import fused_linear_logprobs as _fused_linear_logprobs
 from tigon.ops import gated as _gated
 from tigon.ops import layer_norm as _layer_norm
+from tigon.ops import lora as _lora
 from tigon.ops import rms_norm as _rms_norm
 from tigon.ops import rope as _rope
 from tigon.ops._launch import MAX_FUSED_ROW
@@ -46,6 +47,7 @@ __all__ = [
     "geglu_linear",
     "swiglu_mlp",
     "geglu_mlp",
+    "lora_linear",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "fused_linear_logprobs",
@@ -411,7 +413,7 @@ def geglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
     return _gated.gated_linear(gate, up, weight, bias, "gelu_tanh", bool(inplace_backward))
 
 
-def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight):
+def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras):
     check_tensor("x", x)
     for name, weight in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
         check_tensor(name, weight, dim=2)
@@ -422,11 +424,29 @@ def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight):
     tensors = dict(x=x, gate_weight=gate_weight, up_weight=up_weight, down_weight=down_weight)
     check_same_dtype(**tensors)
     check_same_device(**tensors)
+    for projection, weight in (("gate", gate_weight), ("up", up_weight), ("down", down_weight)):
+        lora = loras[projection]
+        if lora is not None:
+            if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
+                raise TypeError(f"{projection}_lora must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
+            _check_adapter(f"{projection}_lora", weight, *lora)
 
 
-def swiglu_mlp(x, gate_weight, up_weight, down_weight):
+def _check_adapter(prefix, weight, lora_a, lora_b, scaling):
+    """An adapter ``lora_a [r, in]``, ``lora_b [out, r]`` (any float dtype) of ``weight [out, in]``."""
+    check_tensor(f"{prefix}: lora_a", lora_a, dim=2)
+    check_tensor(f"{prefix}: lora_b", lora_b, dim=2)
+    n_out, n_in = weight.shape
+    rank = lora_a.shape[0]
+    check_shape(f"{prefix}: lora_a", lora_a, (rank, n_in), "[rank, in_features of the base weight]")
+    check_shape(f"{prefix}: lora_b", lora_b, (n_out, rank), "[out_features of the base weight, rank of lora_a]")
+    check_numbers(**{f"{prefix}: scaling": scaling})
+    check_same_device(weight=weight, lora_a=lora_a, lora_b=lora_b)
+
+
+def swiglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lora=None, down_lora=None):
     """A Llama MLP, ``(silu(x @ gate_weightᵀ) · (x @ up_weightᵀ)) @ down_weightᵀ``, that keeps
-    only its inputs for backward.
+    only its inputs for backward, with an optional LoRA adapter on each projection.
 
     Made for layers under non-reentrant activation checkpointing: the recomputation of the layer
     stops at this MLP's input, and the backward recomputes the gate and up projections itself,
@@ -438,19 +458,61 @@ def swiglu_mlp(x, gate_weight, up_weight, down_weight):
     The forward is the plain MLP's (same matmuls, bit for bit); in backward, the weight
     gradients are exact slices and the input gradient is summed over the slices in ``x``'s dtype.
 
+    An adapter ``(lora_a [r, in], lora_b [out, r], scaling)`` adds ``scaling · (p Aᵀ) Bᵀ`` to
+    its projection of ``p`` (LoRA without dropout, see :func:`lora_linear`): its ``[N, r]``
+    products are recomputed in backward with the projections, and its weights get gradients
+    (in their own dtype) while the base weights, if frozen, get none.
+
     Args:
         x: ``[..., H]``.
         gate_weight, up_weight: ``[I, H]``; down_weight: ``[H, I]``; all of ``x``'s dtype.
+        gate_lora, up_lora, down_lora: ``None`` or ``(lora_a, lora_b, scaling)``.
     Returns ``[..., H]``.
     """
-    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight)
-    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "silu")
+    loras = dict(gate=gate_lora, up=up_lora, down=down_lora)
+    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras)
+    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "silu", tuple(loras.values()))
 
 
-def geglu_mlp(x, gate_weight, up_weight, down_weight):
+def geglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lora=None, down_lora=None):
     """The GeGLU MLP (``gelu_tanh`` gate, Gemma's) as :func:`swiglu_mlp`."""
-    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight)
-    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "gelu_tanh")
+    loras = dict(gate=gate_lora, up=up_lora, down=down_lora)
+    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras)
+    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "gelu_tanh", tuple(loras.values()))
+
+
+def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, *, bias=None, x_adapter=None):
+    """A linear layer with a LoRA adapter: ``x @ weightᵀ + bias + scaling · (x̃ @ lora_aᵀ) @ lora_bᵀ``.
+
+    PEFT's ``lora.Linear`` in one function (see :mod:`tigon.ops.lora`): the adapter's product
+    accumulates into the base output in place, nothing of shape ``[..., out]`` is kept for backward,
+    and only the inputs are saved (before the matmuls, so that checkpointing recomputes none).
+    The products run in ``x``'s dtype with fp32 accumulation; ``lora_a`` and ``lora_b`` may be of
+    another float dtype (PEFT keeps them in fp32), are cast for the matmuls, and get their gradients
+    in their own dtype. ``weight`` and ``bias`` get gradients only if they require them (frozen in
+    LoRA).
+
+    Args:
+        x: ``[..., in]``.
+        weight: ``[out, in]``, ``x``'s dtype; bias: ``[out]`` or ``None``.
+        lora_a: ``[r, in]``; lora_b: ``[out, r]``; scaling: a float (``lora_alpha / r``).
+        x_adapter: what the adapter reads instead of ``x`` (``dropout(x)``, any float dtype), or
+            ``None`` for ``x`` itself.
+    Returns ``[..., out]``.
+    """
+    check_tensor("x", x)
+    check_tensor("weight", weight, dim=2)
+    check_shape("weight", weight, (weight.shape[0], x.shape[-1]), "[out_features, the last dimension of x]")
+    if bias is not None:
+        check_tensor("bias", bias, dim=1)
+        check_shape("bias", bias, (weight.shape[0],), "[out_features] of weight")
+    check_same_dtype(x=x, weight=weight, bias=bias)
+    _check_adapter("lora", weight, lora_a, lora_b, scaling)
+    if x_adapter is not None:
+        check_tensor("x_adapter", x_adapter)
+        check_shape("x_adapter", x_adapter, tuple(x.shape), "the shape of x")
+    check_same_device(x=x, weight=weight, bias=bias, lora_a=lora_a, x_adapter=x_adapter)
+    return _lora.lora_linear(x, weight, bias, lora_a, lora_b, scaling, x_adapter)
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

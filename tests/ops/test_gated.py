@@ -2,14 +2,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn as tnn
 from tigon.ops import gated as gated_ops
-from utils import DEVICE, DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
+from utils import DEVICE, DTYPES, ON_GPU, MatmulFlops, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
     cpu=[(7, 33), (3, 5, 128), (300, 40), (9, 2500)],
@@ -281,20 +280,6 @@ def test_gated_mlp_keeps_only_its_inputs():
     assert [t.data_ptr() for t in saved] == [t.data_ptr() for t in (x, *weights)]
 
 
-class _MatmulFlops(TorchDispatchMode):
-    """Counts ``2·m·n·k`` over every matmul run in the mode (all overloads, in-place and out=)."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
-            a, b = args[-2:]
-            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        return func(*args, **(kwargs or {}))
-
-
 def test_gated_mlp_under_checkpointing_recomputes_no_matmul():
     """Non-reentrant checkpointing recomputes a layer up to the last tensor it saved. The MLP saves
     its input before its matmuls, so checkpointing it costs the FLOPs of checkpointing the plain
@@ -304,7 +289,7 @@ def test_gated_mlp_under_checkpointing_recomputes_no_matmul():
     def flops(mlp):
         x = randn(3, 40, 64, requires_grad=True)
         weights = _mlp_weights(64, 160, torch.float32)
-        with _MatmulFlops() as counter:
+        with MatmulFlops() as counter:
             checkpoint(mlp, x, *weights, use_reentrant=False).sum().backward()
         return counter.flops
 

@@ -121,3 +121,41 @@ def empty_tensor(device: torch.device) -> torch.Tensor:
     """A placeholder passed where an optional tensor is absent (custom ops take no ``None`` pointers
     into Triton; kernels are told by a constexpr flag not to touch it)."""
     return torch.empty(0, device=device)
+
+
+class KeepForBackwardFunction(torch.autograd.Function):
+    """The identity on ``x`` that saves ``x`` and ``tensors`` for the function applied after it.
+
+    A custom function's tensors are packed for backward after its forward has run. Under
+    non-reentrant checkpointing, which recomputes a layer until the last tensor the layer saved
+    is saved again, a function that saves its inputs itself would have its own matmuls recomputed
+    for nothing when it is the layer's last. This one saves them before that work; the function
+    after it saves nothing and reads them back through this node (``x.grad_fn`` of its input,
+    see :func:`kept_tensors`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, *tensors):
+        ctx.save_for_backward(x, *tensors)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, *(None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def keep_for_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (a view) whose ``grad_fn`` holds ``(x, *tensors)`` for :func:`kept_tensors`."""
+    return KeepForBackwardFunction.apply(x, *tensors)
+
+
+def kept_tensors(ctx) -> tuple:
+    """The tensors :func:`keep_for_backward` saved for the function whose ``ctx.kept_by`` is the
+    ``grad_fn`` of its input."""
+    return ctx.kept_by.saved_tensors
+
+
+def kept_x_needs_grad(ctx) -> bool:
+    """Whether the ``x`` given to :func:`keep_for_backward` needs a gradient (its view always
+    requires one when any kept tensor does)."""
+    return ctx.kept_by.needs_input_grad[0]

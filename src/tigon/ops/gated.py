@@ -33,7 +33,7 @@ writes ``d_gate, d_up`` over ``gate, up`` and the recomputed ``h`` over ``dh``, 
 
 The whole MLP (:class:`GatedMLPFunction`, ``x`` and the three weights in, ``[..., H]`` out) keeps
 nothing but its inputs, saved by a separate identity function before any matmul (the reason is in
-:class:`GatedMLPInputsFunction`); its backward recomputes ``gate`` and ``up`` per slice of the
+:class:`tigon.ops._launch.KeepForBackwardFunction`); its backward recomputes ``gate`` and ``up`` per slice of the
 intermediate dimension.
 
 GPT-OSS's clamped SwiGLU reads ``gate_up [..., 2I]`` with gate and up interleaved (even and odd
@@ -64,7 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows, tigon_op
+from tigon.ops import lora as _lora
+from tigon.ops._launch import as_rows, keep_for_backward, kept_tensors, kept_x_needs_grad, tigon_op
 
 # A program's tile: 4096 elements (8 KiB of a 16-bit tensor); 512 per warp is 16 per thread,
 # i.e. two 16-byte loads of each bf16 input in flight per thread.
@@ -518,28 +519,9 @@ class GatedLinearFunction(torch.autograd.Function):
         )
 
 
-class GatedMLPInputsFunction(torch.autograd.Function):
-    """The identity on ``x`` that saves the MLP's inputs for :class:`GatedMLPFunction`.
-
-    A custom function's tensors are packed for backward after its forward has run. Under
-    non-reentrant checkpointing, which recomputes a layer until the last tensor the layer saved
-    is saved again, an MLP function saving ``x`` would therefore have its three matmuls
-    recomputed for nothing. This function saves them before that work; the MLP function saves
-    nothing and reads them back through this node (``x.grad_fn`` of its input).
-    """
-
-    @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, down_weight):
-        ctx.save_for_backward(x, gate_weight, up_weight, down_weight)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dx):
-        return dx, None, None, None
-
-
 class GatedMLPFunction(torch.autograd.Function):
-    """``down(act(x @ gateᵀ) · (x @ upᵀ))`` keeping nothing but its inputs (see :func:`gated_mlp`).
+    """``down(act(x @ gateᵀ) · (x @ upᵀ))`` keeping nothing but its inputs (see :func:`gated_mlp`),
+    each projection with an optional LoRA adapter (:mod:`tigon.ops.lora`).
 
     Backward recomputes the projections one slice of the intermediate dimension at a time, so
     its working set is a few ``[N, slice]`` tensors instead of four ``[N, I]`` ones. Per slice
@@ -552,58 +534,142 @@ class GatedMLPFunction(torch.autograd.Function):
         dx      += [dg | du] @ [gate_s; up_s]
 
     The weight gradients are exact slices (each reduces over all ``N`` rows); only ``dx`` is a
-    sum over slices.
+    sum over slices. The adapters' terms are in :class:`_GatedMLPBackward`.
     """
 
     @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, down_weight, activation, slice_width):
-        ctx.inputs_node = x.grad_fn
-        ctx.activation, ctx.slice_width = activation, slice_width
+    def forward(ctx, x, gate_weight, up_weight, down_weight, gate_a, gate_b, up_a, up_b, down_a, down_b,
+                scalings, activation, slice_width):
+        ctx.kept_by = x.grad_fn
+        ctx.scalings, ctx.activation, ctx.slice_width = scalings, activation, slice_width
         x_rows = as_rows(x)
+        gate_adapter, up_adapter, down_adapter = _lora.adapters(
+            x.dtype, (gate_a, gate_b, up_a, up_b, down_a, down_b), scalings
+        )
         linear = torch.nn.functional.linear
-        h = gated_fwd(linear(x_rows, gate_weight), linear(x_rows, up_weight), activation)
-        return linear(h, down_weight).view(*x.shape[:-1], down_weight.shape[0])
+        gate, up = linear(x_rows, gate_weight), linear(x_rows, up_weight)
+        u_gate, u_up = _lora.down_project(x_rows, gate_adapter, up_adapter)
+        _lora.add_adapter_(gate, u_gate, gate_adapter)
+        _lora.add_adapter_(up, u_up, up_adapter)
+        h = gated_fwd(gate, up, activation)
+        out = linear(h, down_weight)
+        _lora.add_adapter_(out, *_lora.down_project(h, down_adapter), down_adapter)
+        return out.view(*x.shape[:-1], down_weight.shape[0])
 
     @staticmethod
     def backward(ctx, dout):
-        x, *weights = ctx.inputs_node.saved_tensors
-        x_rows, dout_rows = as_rows(x), as_rows(dout)
-        grads = [torch.empty_like(w) if need else None for w, need in zip(weights, ctx.needs_input_grad[1:4])]
-        grad_x = None
-        for start in range(0, weights[0].shape[0], ctx.slice_width):
+        x, *tensors = kept_tensors(ctx)
+        state = _GatedMLPBackward(ctx, x, dout, tensors)
+        for start in range(0, tensors[0].shape[0], ctx.slice_width):
             # In a call of its own, so that a slice's tensors are freed before the next one's exist.
-            grad_x = _gated_mlp_slice_backward(
-                slice(start, start + ctx.slice_width), x_rows, dout_rows, weights, grads, grad_x,
-                ctx.activation, ctx.needs_input_grad[0],
+            state.add_slice(slice(start, start + ctx.slice_width))
+        grad_x, grads = state.finish()
+        return grad_x, *grads, None, None, None
+
+
+class _GatedMLPBackward:
+    """The backward of :class:`GatedMLPFunction`, one slice of the intermediate dimension at a time.
+
+    With an adapter ``y = x Wᵀ + s·(x Aᵀ) Bᵀ`` on a projection whose output gradient is ``dy``::
+
+        dB = s · dyᵀ (x Aᵀ),   dA = s · (dy B)ᵀ x,   dx += s · (dy B) A
+
+    For gate and up, ``dy`` (``dg``, ``du``) exists one slice at a time: ``dB``'s rows are exact
+    slices and ``dy B`` (``[N, r]``) is summed over the slices, then ``dA`` and the ``dx`` term
+    follow once. For down, ``dy = dout`` is whole and ``h`` comes in slices: ``dout B`` is
+    computed first (it adds ``s · (dout B) A_s`` to each slice's ``dh``), ``dA``'s columns are exact
+    slices and ``h Aᵀ`` is summed over the slices for ``dB``.
+    """
+
+    def __init__(self, ctx, x, dout, tensors):
+        self.activation = ctx.activation
+        self.x_rows, self.dout_rows = as_rows(x), as_rows(dout)
+        self.x_shape, self.need_x = x.shape, kept_x_needs_grad(ctx)
+        self.weights, lora_tensors = tensors[:3], tensors[3:]
+        self.lora_tensors = lora_tensors
+        self.gate, self.up, self.down = _lora.adapters(x.dtype, lora_tensors, ctx.scalings)
+        needs = ctx.needs_input_grad[1:10]
+        self.grads = [torch.empty_like(w) if need else None for w, need in zip(self.weights, needs[:3])]
+        # Adapter gradients in the compute dtype (cast to each adapter's own dtype at the end).
+        self.lora_grads = [
+            torch.empty(t.shape, dtype=x.dtype, device=x.device) if t is not None and need else None
+            for t, need in zip(lora_tensors, needs[3:])
+        ]
+        self.grad_x = None
+        self.u_gate, self.u_up = _lora.down_project(self.x_rows, self.gate, self.up)
+        self.dy_b_gate, self.dy_b_up = (
+            None if adapter is None else self.x_rows.new_zeros(self.x_rows.shape[0], adapter.rank)
+            for adapter in (self.gate, self.up)
+        )
+        if self.down is not None:
+            self.dout_b = self.dout_rows @ self.down.b * self.down.scaling
+            self.u_down = self.x_rows.new_zeros(self.x_rows.shape[0], self.down.rank)
+
+    def add_slice(self, rows):
+        gate_weight, up_weight, down_weight = self.weights
+        grad_gate, grad_up, grad_down = self.grads
+        x_rows, dout_rows = self.x_rows, self.dout_rows
+        gate_up_weight = torch.cat((gate_weight[rows], up_weight[rows]))
+        width = gate_up_weight.shape[0] // 2
+        gate_up = x_rows @ gate_up_weight.T
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+        _lora.add_adapter_(gate, self.u_gate, self.gate, rows)
+        _lora.add_adapter_(up, self.u_up, self.up, rows)
+        dh_then_h = dout_rows @ down_weight[:, rows]
+        if self.down is not None:
+            dh_then_h.addmm_(self.dout_b, self.down.a[:, rows])
+        gated_bwd_recompute(dh_then_h, gate, up, self.activation, True)  # gate_up is now [d_gate | d_up]
+        if grad_down is not None:
+            grad_down[:, rows] = dout_rows.T @ dh_then_h
+        if self.down is not None:
+            if self.lora_grads[4] is not None:
+                self.lora_grads[4][:, rows] = self.dout_b.T @ dh_then_h
+            self.u_down.addmm_(dh_then_h, self.down.a[:, rows].T)
+        if grad_gate is not None:
+            torch.mm(gate.T, x_rows, out=grad_gate[rows])
+        if grad_up is not None:
+            torch.mm(up.T, x_rows, out=grad_up[rows])
+        for adapter, dy, u, dy_b, grad_b in (
+            (self.gate, gate, self.u_gate, self.dy_b_gate, self.lora_grads[1]),
+            (self.up, up, self.u_up, self.dy_b_up, self.lora_grads[3]),
+        ):
+            if adapter is not None:
+                if grad_b is not None:
+                    torch.mm(dy.T, u, out=grad_b[rows])
+                dy_b.addmm_(dy, adapter.b[rows])
+        if self.need_x:
+            self.grad_x = (
+                gate_up @ gate_up_weight if self.grad_x is None else self.grad_x.addmm_(gate_up, gate_up_weight)
             )
-        return grad_x if grad_x is None else grad_x.view(x.shape), *grads, None, None
+
+    def finish(self):
+        """``(grad_x, grads of the 3 weights and 6 adapter tensors)`` once every slice is in."""
+        grad_a_gate, grad_b_gate, grad_a_up, grad_b_up, grad_a_down, grad_b_down = self.lora_grads
+        for adapter, dy_b, grad_a, grad_b in (
+            (self.gate, self.dy_b_gate, grad_a_gate, grad_b_gate), (self.up, self.dy_b_up, grad_a_up, grad_b_up),
+        ):
+            if adapter is None:
+                continue
+            dy_b.mul_(adapter.scaling)
+            if grad_b is not None:
+                grad_b.mul_(adapter.scaling)
+            if grad_a is not None:
+                torch.mm(dy_b.T, self.x_rows, out=grad_a)
+            if self.need_x:
+                self.grad_x.addmm_(dy_b, adapter.a)
+        if self.down is not None and grad_b_down is not None:
+            torch.mm(self.dout_rows.T, self.u_down, out=grad_b_down).mul_(self.down.scaling)
+        lora_grads = [
+            None if grad is None else grad.to(tensor.dtype) for grad, tensor in zip(self.lora_grads, self.lora_tensors)
+        ]
+        grad_x = None if self.grad_x is None else self.grad_x.view(self.x_shape)
+        return grad_x, [*self.grads, *lora_grads]
 
 
-def _gated_mlp_slice_backward(rows, x_rows, dout_rows, weights, grads, grad_x, activation, need_x):
-    """One slice of :class:`GatedMLPFunction`'s backward: writes the slice's rows (columns of
-    ``down``) of the weight gradients in ``grads`` and returns ``grad_x`` with the slice's term added."""
-    gate_weight, up_weight, down_weight = weights
-    grad_gate, grad_up, grad_down = grads
-    gate_up_weight = torch.cat((gate_weight[rows], up_weight[rows]))
-    width = gate_up_weight.shape[0] // 2
-    gate_up = x_rows @ gate_up_weight.T
-    gate, up = gate_up[:, :width], gate_up[:, width:]
-    dh_then_h = dout_rows @ down_weight[:, rows]
-    gated_bwd_recompute(dh_then_h, gate, up, activation, True)  # gate_up is now [d_gate | d_up]
-    if grad_down is not None:
-        grad_down[:, rows] = dout_rows.T @ dh_then_h
-    if grad_gate is not None:
-        torch.mm(gate.T, x_rows, out=grad_gate[rows])
-    if grad_up is not None:
-        torch.mm(up.T, x_rows, out=grad_up[rows])
-    if not need_x:
-        return None
-    return gate_up @ gate_up_weight if grad_x is None else grad_x.addmm_(gate_up, gate_up_weight)
-
-
-def gated_mlp(x, gate_weight, up_weight, down_weight, activation):
+def gated_mlp(x, gate_weight, up_weight, down_weight, activation, adapters=(None, None, None)):
     """A gated MLP on ``x [..., H]`` (weights ``[I, H], [I, H], [H, I]``) that keeps only its
-    inputs for backward; inputs validated by :mod:`tigon.functional`.
+    inputs for backward; ``adapters`` holds an optional ``(lora_a, lora_b, scaling)`` per
+    projection (gate, up, down). Inputs validated by :mod:`tigon.functional`.
 
     The backward's slices of the intermediate dimension are as wide as ``H`` at most (rounded to
     a multiple of 64), so each slice's tensors are no larger than ``x``.
@@ -611,8 +677,12 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, activation):
     n_inter, n_hidden = gate_weight.shape
     n_slices = triton.cdiv(n_inter, n_hidden)
     slice_width = triton.cdiv(triton.cdiv(n_inter, n_slices), 64) * 64
-    x_kept = GatedMLPInputsFunction.apply(x, gate_weight, up_weight, down_weight)
-    return GatedMLPFunction.apply(x_kept, gate_weight, up_weight, down_weight, activation, slice_width)
+    lora_tensors = [t for adapter in adapters for t in (adapter[:2] if adapter else (None, None))]
+    scalings = tuple(float(adapter[2]) if adapter else 0.0 for adapter in adapters)
+    x_kept = keep_for_backward(x, gate_weight, up_weight, down_weight, *lora_tensors)
+    return GatedMLPFunction.apply(
+        x_kept, gate_weight, up_weight, down_weight, *lora_tensors, scalings, activation, slice_width
+    )
 
 
 def gated_linear(gate, up, weight, bias, activation, inplace_backward):

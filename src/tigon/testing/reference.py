@@ -198,6 +198,24 @@ def swiglu_clamped(gate_up, alpha=1.702, limit=7.0):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, bias=None, x_adapter=None):
+    """PEFT's ``lora.Linear`` forward: ``base(x) + lora_B(lora_A(x̃)) · scaling``, ``x̃`` the
+    dropout of ``x`` (``x_adapter``) or ``x``."""
+    x_adapter = x if x_adapter is None else x_adapter
+    return F.linear(x, weight, bias) + F.linear(F.linear(x_adapter, lora_a), lora_b) * scaling
+
+
+def gated_mlp(x, gate_weight, up_weight, down_weight, gate_fn, gate_lora=None, up_lora=None, down_lora=None):
+    """``down(gate_fn(gate(x), up(x)))``, each projection a linear layer with an optional LoRA
+    adapter ``(lora_a, lora_b, scaling)``."""
+
+    def project(p, weight, lora):
+        return F.linear(p, weight) if lora is None else lora_linear(p, weight, *lora)
+
+    h = gate_fn(project(x, gate_weight, gate_lora), project(x, up_weight, up_lora))
+    return project(h, down_weight, down_lora)
+
+
 def cross_entropy(
     logits,
     target,

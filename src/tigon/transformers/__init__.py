@@ -40,7 +40,7 @@ __all__ = [
     *(patcher.__name__ for patcher in PATCHERS.values()),
 ]
 # Every flag a patcher takes; the auto classes tell them from from_pretrained's arguments.
-FLAGS = (*LAYER_FLAGS, "cross_entropy", "fused_linear_cross_entropy")
+FLAGS = (*LAYER_FLAGS, "cross_entropy", "fused_linear_cross_entropy", "lora")
 
 
 def apply_tigon(model, **flags):

@@ -14,7 +14,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from tigon import functional as F
-from tigon.nn import linear_weight_usable
+from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
 GATE_ACTIVATIONS = {
@@ -113,19 +113,22 @@ class TigonMLP:
 class TigonGatedMLP(TigonMLP):
     """``down_proj(act(gate_proj(x)) · up_proj(x))`` with the gate fused (Llama, Gemma, Qwen...).
 
-    Under non-reentrant checkpointing, plain bias-free projections go through
-    :func:`tigon.functional.swiglu_mlp` (or ``geglu_mlp``): the recomputation stops at the MLP's
-    input and the backward recomputes the projections slice by slice, the same matmuls in a
-    fraction of the memory. Otherwise (and for wrapped or hooked projections, e.g. LoRA) the
-    projections are called as modules.
+    Under non-reentrant checkpointing, bias-free projections, plain or with a PEFT LoRA adapter
+    (no dropout), go through :func:`tigon.functional.swiglu_mlp` (or ``geglu_mlp``): the
+    recomputation stops at the MLP's input and the backward recomputes the projections and their
+    adapters slice by slice, the same matmuls in a fraction of the memory. Otherwise (and for
+    other wrapped or hooked projections) the projections are called as modules.
     """
 
     def forward(self, x):
         projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if self._recomputed_by_checkpointing(x) and all(
-            linear_weight_usable(linear, x) and linear.bias is None for linear in projections
-        ):
-            return getattr(F, f"{self.gate}_mlp")(x, *(linear.weight for linear in projections))
+        if self._recomputed_by_checkpointing(x):
+            parts = [mlp_projection(linear, x) for linear in projections]
+            if None not in parts:
+                (gate, gate_lora), (up, up_lora), (down, down_lora) = parts
+                return getattr(F, f"{self.gate}_mlp")(
+                    x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora
+                )
         return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -30,6 +30,7 @@ import transformers
 from tigon.transformers import layers
 from tigon.transformers.causal_lm import hook_head_loss, output_embeddings, wrap_causal_lm_forward
 from tigon.transformers.families import FAMILIES, Family, Norm
+from tigon.transformers.lora import patch_peft
 
 _DERIVED: dict[tuple[type, type], type] = {}
 _NORM_MIXINS = {"rms": layers.TigonRMSNorm, "rms_gated": layers.TigonGatedRMSNorm, "layer": layers.TigonLayerNorm}
@@ -138,9 +139,12 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> None:
     layers.follow_gradient_checkpointing(model)
 
 
-def apply_family(family: Family, *, cross_entropy: bool, fused_linear_cross_entropy: bool, model=None, **flags):
+def apply_family(
+    family: Family, *, cross_entropy: bool, fused_linear_cross_entropy: bool, lora: bool, model=None, **flags
+):
     """Patch ``family``'s modeling module (``model=None``) or ``model`` in place; see the module
-    docstring. ``flags`` are :data:`LAYER_FLAGS`. Returns ``model``."""
+    docstring. ``flags`` are :data:`LAYER_FLAGS`; ``lora`` routes PEFT's LoRA layers through tigon
+    (:mod:`tigon.transformers.lora`). Returns ``model``."""
     if cross_entropy and fused_linear_cross_entropy:
         raise ValueError(
             "pass at most one of cross_entropy=True and fused_linear_cross_entropy=True: "
@@ -151,6 +155,8 @@ def apply_family(family: Family, *, cross_entropy: bool, fused_linear_cross_entr
     class_patches = _class_patches(family, module, flags)
     rope_patches = _rope_patches(family, module, flags)
     head = _lookup(module, family.head, "head class", "fused_linear_cross_entropy") if family.head else None
+    if lora:
+        patch_peft()
 
     if model is not None:
         hf_model = base_model(model)
@@ -196,10 +202,12 @@ def patch_after_init(post_init, family: Family, flags: dict[str, bool], loss: st
 
 def family_patcher(model_type: str):
     """``apply_tigon_to_<family>(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
-    geglu=True, relu2=True, cross_entropy=False, fused_linear_cross_entropy=True, model=None)``
-    for one row of the table."""
+    geglu=True, relu2=True, cross_entropy=False, fused_linear_cross_entropy=True, lora=True,
+    model=None)`` for one row of the table."""
     family = FAMILIES[model_type]
-    defaults = {**dict.fromkeys(LAYER_FLAGS, True), "cross_entropy": False, "fused_linear_cross_entropy": True}
+    defaults = {
+        **dict.fromkeys(LAYER_FLAGS, True), "cross_entropy": False, "fused_linear_cross_entropy": True, "lora": True,
+    }
     signature = inspect.Signature(
         [
             inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)

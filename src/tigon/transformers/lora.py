@@ -1,0 +1,127 @@
+"""PEFT's LoRA layers on tigon's fused paths.
+
+PEFT's ``lora.Linear`` computes ``base(x) + lora_B(lora_A(dropout(x))) · scaling`` as a chain of
+modules (see :mod:`tigon.ops.lora` for what that costs). Once tigon patches a model (or a family's
+modeling module), PEFT's ``lora.Linear.forward`` goes through :func:`lora_linear_forward`, which
+calls :func:`tigon.functional.lora_linear` whenever the layer is one tigon computes exactly, and
+PEFT's own forward otherwise. The patched gated MLPs go one step further under checkpointing: with
+LoRA (without dropout) on any of gate, up and down they call :func:`tigon.functional.swiglu_mlp`
+with the adapters, which keeps only the MLP's input (:class:`tigon.transformers.layers.TigonGatedMLP`).
+
+The patch is on PEFT's class, so adapters added after tigon's patch (``get_peft_model`` on a
+patched model, or ``SFTTrainer(peft_config=...)``) take the fused path too. Parameters, names and
+saved adapter files are PEFT's own: only ``forward`` changes.
+
+What stays on PEFT's path (same results, PEFT's speed): DoRA and the other LoRA variants (their
+magnitude vector's norm is taken over the merged weight: not a sum of two products), several
+active adapters or a mixed batch (``adapter_names=``), merged or disabled adapters, a LoRA bias,
+``fan_in_fan_out`` (Conv1D bases), quantised or hooked base layers (bitsandbytes' 4-bit QLoRA,
+DeepSpeed ZeRO-3, FSDP2 shards), and autocast (base weight and input of different dtypes).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules import module as _module
+
+from tigon import functional as F
+from tigon.nn import linear_weight_usable
+
+
+class FusableLoRA(NamedTuple):
+    """What :func:`tigon.functional.lora_linear` needs of a PEFT LoRA layer."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+    dropout: nn.Dropout | None
+
+
+def _plain_adapter_linear(linear) -> bool:
+    return (
+        type(linear) is nn.Linear and linear.bias is None and not isinstance(linear.weight, DTensor)
+        and not (linear._forward_pre_hooks or linear._forward_hooks)
+    )
+
+
+def fusable_lora(layer, x: torch.Tensor) -> FusableLoRA | None:
+    """The base weight, adapter and dropout of PEFT LoRA layer ``layer`` when tigon computes its
+    forward exactly on input ``x``; ``None`` for anything on PEFT's own path (module docstring)."""
+    if layer.disable_adapters or layer.merged or layer.fan_in_fan_out or len(layer.active_adapters) != 1:
+        return None
+    (name,) = layer.active_adapters
+    if name not in layer.lora_A or name in layer.lora_variant:
+        return None
+    lora_a, lora_b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    if not (linear_weight_usable(layer.base_layer, x) and _plain_adapter_linear(lora_a) and _plain_adapter_linear(lora_b)):
+        return None
+    if type(dropout) is nn.Identity or (type(dropout) is nn.Dropout and (dropout.p == 0 or not dropout.training)):
+        dropout = None
+    elif type(dropout) is not nn.Dropout:
+        return None
+    base = layer.base_layer
+    return FusableLoRA(base.weight, base.bias, lora_a.weight, lora_b.weight, layer.scaling[name], dropout)
+
+
+def mlp_projection(linear, x: torch.Tensor):
+    """``(weight, adapter or None)`` of an MLP projection that the whole-MLP function takes: a plain
+    bias-free ``nn.Linear``, or a fusable PEFT LoRA layer over one without dropout (the function
+    recomputes its products in backward, which a dropout mask would have to be kept for); else
+    ``None``."""
+    if linear_weight_usable(linear, x):
+        return None if linear.bias is not None else (linear.weight, None)
+    peft_linear = _patched_peft_linear()
+    if peft_linear is None or type(linear) is not peft_linear or linear._forward_pre_hooks or linear._forward_hooks:
+        return None
+    fusable = fusable_lora(linear, x)
+    if fusable is None or fusable.bias is not None or fusable.dropout is not None:
+        return None
+    return fusable.weight, (fusable.lora_a, fusable.lora_b, fusable.scaling)
+
+
+def lora_linear_forward(forward):
+    """PEFT's ``lora.Linear.forward`` through :func:`tigon.functional.lora_linear` when
+    :func:`fusable_lora` allows, else ``forward`` (PEFT's own)."""
+
+    @functools.wraps(forward)
+    def tigon_lora_forward(self, x, *args, **kwargs):
+        fusable = None if args or kwargs or _module._global_forward_hooks else fusable_lora(self, x)
+        if fusable is None:
+            return forward(self, x, *args, **kwargs)
+        x_adapter = None
+        if fusable.dropout is not None:
+            # PEFT's order and dtype: the same mask from the same random stream.
+            x_adapter = fusable.dropout(x.to(fusable.lora_a.dtype))
+        return F.lora_linear(
+            x, fusable.weight, fusable.lora_a, fusable.lora_b, fusable.scaling, bias=fusable.bias, x_adapter=x_adapter
+        )
+
+    tigon_lora_forward.tigon_wraps = forward
+    return tigon_lora_forward
+
+
+def _patched_peft_linear():
+    """PEFT's ``lora.Linear`` if it is imported and patched, else ``None`` (a cheap check, made on
+    every MLP forward)."""
+    layer_module = sys.modules.get("peft.tuners.lora.layer")
+    linear = getattr(layer_module, "Linear", None)
+    return linear if hasattr(getattr(linear, "forward", None), "tigon_wraps") else None
+
+
+def patch_peft() -> None:
+    """Route PEFT's ``lora.Linear.forward`` through tigon (idempotent; nothing without PEFT)."""
+    if importlib.util.find_spec("peft") is None:
+        return
+    from peft.tuners.lora.layer import Linear
+
+    if not hasattr(Linear.forward, "tigon_wraps"):
+        Linear.forward = lora_linear_forward(Linear.forward)
