@@ -1,6 +1,6 @@
 """End to end beyond Llama: Qwen2.5-VL, a DeepSeek-V3-style MoE and GPT-OSS trained with HF, + Liger-Kernel, + tigon.
 
-e2e_llama.py's measurement (one process per setup, tokens/s over the timed steps after two
+tigon bench e2e's measurement (one process per setup, tokens/s over the timed steps after two
 warm-up steps, the peak memory of a training step and of each phase, bf16 weights, PyTorch's fused
 AdamW, non-reentrant gradient checkpointing) on three families at their real width with few layers:
 
@@ -40,7 +40,7 @@ before the model is built. Every setup builds the same weights (``torch.manual_s
 trains on the same batches (a generator seeded the same), so the losses of a step compare: the
 first step's must agree to ~1e-2 relative in bf16, and the run prints how far each setup's is
 from Hugging Face's. A setup that fails (out of memory, Liger raising on a family) is recorded
-with its reason; the others run on. ``--max-search`` adds e2e_llama's longest sequence that trains
+with its reason; the others run on. ``--max-search`` adds tigon bench e2e's longest sequence that trains
 at batch 1 (slow: off by default; each process has 300 s, e2e_fsdp2.launch's limit).
 
 Peak memory at the default sizes, estimated. bf16 weights, gradients and AdamW's two moments take
@@ -93,7 +93,7 @@ from typing import Callable
 import torch
 
 from e2e_fsdp2 import launch
-from e2e_llama import LABELS, SETUPS, gpu_slug, new_optimizer
+from tigon.bench.e2e import LABELS, SETUPS, gpu_slug, new_optimizer
 from e2e_trl import environment, peak_gib, reset_peak, synchronize
 
 HERE = Path(__file__).resolve().parent
@@ -174,7 +174,7 @@ def gpt_oss_config(layers: int, smoke: bool):
 
 
 def text_inputs(config, batch: int, seq_len: int, generator, device) -> dict:
-    """Random tokens, labelled with themselves (the model shifts them), as e2e_llama.py."""
+    """Random tokens, labelled with themselves (the model shifts them), as tigon bench e2e."""
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len), device=device, generator=generator)
     return {"input_ids": tokens, "labels": tokens}
 
@@ -323,7 +323,7 @@ def run_family(args, family: str, setup: str) -> dict:
 
 
 def longest_sequence(step, optimizer, max_len: int) -> int:
-    """The longest sequence (in steps of 4096 from 8192) that trains at batch 1, as e2e_llama.py."""
+    """The longest sequence (in steps of 4096 from 8192) that trains at batch 1, as tigon bench e2e."""
     longest = 0
     for trial in range(8192, max_len + 1, 4096):
         try:

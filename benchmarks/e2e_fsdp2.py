@@ -1,10 +1,10 @@
 """End to end on several GPUs: a Llama-3-8B-shaped model under FSDP2, with Hugging Face, + Liger-Kernel, + tigon.
 
-The model, data and training step of e2e_llama.py (bf16 weights, AdamW, gradient checkpointing,
+The model, data and training step of tigon bench e2e (bf16 weights, AdamW, gradient checkpointing,
 SDPA, batch 4 × 4096 on each GPU), here with 8 decoder layers: each layer is an FSDP2 unit and the
 root unit holds the embeddings, the final norm and lm_head, whose weight both fused losses read
 inside the root's forward, unsharded. Each setup runs in its own torchrun launch on ``--gpus``
-GPUs, then, for the comparison, in one process on one GPU without FSDP (e2e_llama.py's child), so
+GPUs, then, for the comparison, in one process on one GPU without FSDP (tigon bench e2e's child), so
 that one run gives each setup's speed-up and memory saving on one GPU and on several. Reported per
 GPU: tokens/s (that GPU's tokens over the timed steps' wall time; the mean over GPUs) and the peak
 memory of a training step (the largest over GPUs).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from e2e_llama import LABELS, SETUPS, build_model, time_steps
+from tigon.bench.e2e import LABELS, SETUPS, build_model, time_steps
 
 HERE = Path(__file__).resolve().parent
 
@@ -161,7 +161,7 @@ def main() -> int:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                        __file__, "--child", setup, *sizes]
         else:
-            command = [sys.executable, str(HERE / "e2e_llama.py"), "--child", setup, *sizes, "--max-search", "0"]
+            command = [sys.executable, "-m", "tigon.bench.e2e", "--child", setup, *sizes, "--max-search", "0"]
         result = launch(command, f"{setup} on {gpus} GPU(s)")
         if result is None:
             continue

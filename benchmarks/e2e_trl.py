@@ -1,6 +1,6 @@
 """End to end under TRL: SFTTrainer alone, + Liger-Kernel, + tigon; GRPO's policy log-probs with TRL's head and tigon's.
 
-The model is e2e_llama.py's (4 layers of Llama-3-8B's shapes, random seeded weights, bf16, SDPA,
+The model is tigon bench e2e's (4 layers of Llama-3-8B's shapes, random seeded weights, bf16, SDPA,
 non-reentrant gradient checkpointing). Two measurements:
 
 1. **SFT**: TRL's ``SFTTrainer`` (which computes its loss from TRL's fused LM head,
@@ -11,7 +11,7 @@ non-reentrant gradient checkpointing). Two measurements:
    is built: tigon's layers and tigon's kernel behind TRL's head). The data is built in memory:
    pre-tokenized documents of random tokens and random lengths, which TRL packs ("wrapped": cut
    into rows of exactly 4096 tokens) so that every batch is 4 full rows with causal attention, as
-   in e2e_llama.py. (TRL's default "bfd" packing flattens a batch into one row of 16384 tokens
+   in tigon bench e2e. (TRL's default "bfd" packing flattens a batch into one row of 16384 tokens
    with position ids, for varlen flash attention; under SDPA that turns into a 16384² masked
    attention, four times the work, which no one would train with.) The tokenizer is three
    words, for the padding and end-of-sequence ids the trainer asks for. Same seed, same data
@@ -73,7 +73,7 @@ from pathlib import Path
 import torch
 
 from e2e_fsdp2 import launch
-from e2e_llama import build_model, gpu_slug
+from tigon.bench.e2e import build_model, gpu_slug
 
 HERE = Path(__file__).resolve().parent
 SFT_SETUPS = ("trl", "liger", "tigon")
@@ -107,7 +107,7 @@ def peak_gib(device: str) -> float | None:
 
 
 def new_model(args, device: str, kernels: str = "hf"):
-    """e2e_llama's model (the same weights in every process), its decoder layers Hugging Face's or,
+    """tigon bench e2e's model (the same weights in every process), its decoder layers Hugging Face's or,
     patched on the built model as a TRL user would, tigon's (``kernels="tigon"``) or Liger's."""
     model = build_model("hf", args.layers, device, **(TINY_SHAPE if args.tiny else {}))
     if kernels == "tigon":

@@ -1,6 +1,6 @@
 """Where the GPU time of one end-to-end training step goes, by kernel (GPU only).
 
-Builds the 4-layer Llama-3-8B-shaped model of ``e2e_llama.py`` for each setup (``hf``,
+Builds the 4-layer Llama-3-8B-shaped model of ``tigon bench e2e`` for each setup (``hf``,
 ``liger`` or ``tigon``; ``+lora`` adds PEFT LoRA r 16 on every linear layer of the decoder),
 times a few steps, then profiles one: GPU time per kernel class (matmul, attention, Triton,
 elementwise, optimizer) and the longest kernels. Each setup runs in its own process.
@@ -18,8 +18,7 @@ import time
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from e2e_llama import build_model  # noqa: E402
+from tigon.bench.e2e import build_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KERNEL_CLASSES = (

@@ -212,3 +212,30 @@ def test_bf16_as_close_to_fp32_as_trl(name, tmp_path):
         trl_distance = abs(plain_log["loss"] - exact_log["loss"])
         tigon_distance = abs(patched_log["loss"] - exact_log["loss"])
         assert tigon_distance <= max(2 * trl_distance, 2**-10), f"step {step}: {tigon_distance} vs TRL's {trl_distance}"
+
+
+def test_sft_with_a_peft_config_matches_trl(tmp_path):
+    """``SFTTrainer(peft_config=...)`` on a patched model: TRL wraps the model with PEFT after
+    tigon's patch, its LoRA layers take tigon's fused path and its head is tigon's; every logged
+    step agrees with plain TRL + PEFT within 1e-5."""
+    from peft import LoraConfig
+
+    logs, functions = [], []
+    for tigon in (False, True):
+        model = tiny_llama(seed=0)
+        if tigon:
+            apply_tigon(model)
+            patch_trl()
+        trainer = trl.SFTTrainer(
+            model=model, args=trl.SFTConfig(max_length=32, **common_arguments(tmp_path / str(tigon))),
+            train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=TOKENIZER,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        )
+        trainer.train()
+        logs.append([measured(log) for log in trainer.state.log_history if "loss" in log])
+        functions.append(head_functions(trainer.model))
+    assert "LoRALinearFunctionBackward" in functions[1] and "LoRALinearFunctionBackward" not in functions[0]
+    assert TIGON_HEAD in functions[1]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for step, (plain_log, patched_log) in enumerate(zip(*logs), start=1):
+        assert patched_log == pytest.approx(plain_log, rel=1e-5, abs=1e-5), f"step {step}"

@@ -26,7 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tigon bench",
         description="Time every op against its peers on this GPU and write CSV, JSON and plots. "
-        "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing.",
+        "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing. "
+        "`tigon bench e2e [--lora]` trains a 4-layer Llama-3-8B-shaped model end to end instead (see its --help).",
     )
     parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OPS)}")
     parser.add_argument("--mode", choices=MODES, default="full", help="what is timed (default: full = forward + backward)")
@@ -145,6 +146,11 @@ def _meta(args, sweeps, tables, skipped, device, gpu, smoke, ceilings, l2_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["e2e"]:
+        from tigon.bench import e2e
+
+        return e2e.main(argv[1:])
     args = parse_args(argv)
     started = time.perf_counter()
     on_gpu = torch.cuda.is_available()

@@ -10,7 +10,12 @@ uses with torch ≥ 2.8 (``adamw_torch_fused``); ``--optimizer foreach`` takes P
 ``--memory-profile`` adds, per setup, the largest tensors alive at the peak and where they were
 allocated.
 
-    python benchmarks/e2e_llama.py [--setups hf liger tigon] [--steps 6] [--optimizer fused] [--out DIR]
+``--lora`` trains PEFT LoRA adapters instead (r 16, alpha 32, no dropout, on q, k, v, o, gate, up
+and down; PEFT's defaults otherwise, so fp32 adapters on the bf16 model), AdamW on the adapters
+only, and adds tigon's full fine-tuning of the same model and batch for scale.
+
+    tigon bench e2e [--lora] [--setups hf liger tigon] [--steps 6] [--optimizer fused] [--out DIR]
+    (python -m tigon.bench.e2e takes the same arguments)
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import torch
 
 SETUPS = ("hf", "liger", "tigon")
 LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# With --lora, tigon's full fine-tuning runs last, for scale.
+FULL_TIGON = "tigon-full"
 # Llama-3-8B's layer shapes (the number of layers is build_model's argument).
 LLAMA_3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -65,8 +73,16 @@ def build_model(setup: str, layers: int, device: str = "cuda", **shape):
     return model
 
 
+def with_lora(model):
+    """``model`` with PEFT LoRA adapters (r 16, alpha 32) on every linear layer of its decoder."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
+
+
 def new_optimizer(model, kind: str) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=kind == "fused", foreach=kind == "foreach")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trained, lr=1e-5, fused=kind == "fused", foreach=kind == "foreach")
 
 
 def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peaks: dict | None = None) -> float:
@@ -135,14 +151,23 @@ def time_steps(model, optimizer, batch: int, seq_len: int, steps: int, generator
     }
 
 
+def label(setup: str, lora: bool) -> str:
+    if setup == FULL_TIGON:
+        return "Hugging Face + tigon, full fine-tuning"
+    return LABELS[setup] + (" + PEFT LoRA" if lora else "")
+
+
 def run_setup(args, setup: str) -> dict:
     batch, seq_len = args.batch, args.seq_len
-    model = build_model(setup, args.layers)
+    lora = args.lora and setup != FULL_TIGON
+    model = build_model("tigon" if setup == FULL_TIGON else setup, args.layers)
+    if lora:
+        model = with_lora(model)
     optimizer = new_optimizer(model, args.optimizer)
     generator = torch.Generator(device="cuda").manual_seed(0)
     result = {
-        "setup": setup, "label": LABELS[setup], "layers": args.layers, "batch": batch, "seq_len": seq_len,
-        "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
+        "setup": setup, "label": label(setup, args.lora), "lora": lora, "layers": args.layers, "batch": batch,
+        "seq_len": seq_len, "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
         **time_steps(model, optimizer, batch, seq_len, args.steps, generator),
     }
     if args.memory_profile:
@@ -167,25 +192,27 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["label"].replace("Hugging Face", "HF") for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    labels = [r["label"].replace("Hugging Face", "HF").replace(", full fine-tuning", "\n(full FT)") for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key, title in zip(
         axes, ("tokens_per_second", "peak_memory_gib", "longest_seq_len_batch1"),
         ("tokens/s (batch 4 × 4096)", "peak memory (GiB)", "longest sequence at batch 1"),
     ):
-        ax.bar(labels, [r[key] for r in results], color=["tab:gray", "tab:blue", "tab:orange"][: len(results)])
+        ax.bar(labels, [r[key] for r in results], color=["tab:gray", "tab:blue", "tab:orange", "tab:olive"][: len(results)])
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_title(title)
         for i, r in enumerate(results):
             ax.annotate(f"{r[key]:,.0f}" if r[key] > 100 else f"{r[key]:.1f}", (i, r[key]), ha="center", va="bottom")
-    fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, {results[0]['optimizer']}, gradient checkpointing"
+    what = "PEFT LoRA r 16 on all linear layers" if results[0]["lora"] else "full fine-tuning"
+    fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, {what}, {results[0]['optimizer']}, gradient checkpointing"
                  f" — {torch.cuda.get_device_name()}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tigon bench e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
@@ -194,21 +221,30 @@ def main() -> int:
     parser.add_argument("--max-search", type=int, default=65536)
     parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
     parser.add_argument("--memory-profile", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters; adds tigon's full fine-tuning")
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--child", choices=(*SETUPS, FULL_TIGON), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tigon bench e2e trains on a GPU; no CUDA device is available here.")
+        return 1
     if args.child:
         result = run_setup(args, args.child)
         print("RESULT " + json.dumps(result))
         return 0
 
-    out = args.out or Path(__file__).parent / "results" / gpu_slug()
+    from tigon.bench.command import _default_out
+
+    out = args.out or _default_out(False, torch.cuda.get_device_name())
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for setup in args.setups:
-        command = [sys.executable, __file__, "--child", setup, "--layers", str(args.layers), "--batch", str(args.batch),
-                   "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--max-search", str(args.max_search),
-                   "--optimizer", args.optimizer] + ["--memory-profile"] * args.memory_profile
+    for setup in [*args.setups, *[FULL_TIGON] * args.lora]:
+        command = [
+            sys.executable, "-m", "tigon.bench.e2e", "--child", setup, "--layers", str(args.layers),
+            "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+            "--max-search", str(args.max_search), "--optimizer", args.optimizer,
+            *["--lora"] * args.lora, *["--memory-profile"] * args.memory_profile,
+        ]
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
         if completed.returncode or not lines:
@@ -218,22 +254,23 @@ def main() -> int:
     if not results:
         return 1
     base = next((r for r in results if r["setup"] == "hf"), results[0])
-    print(f"{'setup':<30}{'tokens/s':>10}{'speed-up':>10}{'peak GiB':>10}{'memory':>9}{'longest T @ B=1':>17}")
+    print(f"{'setup':<42}{'tokens/s':>10}{'speed-up':>10}{'peak GiB':>10}{'memory':>9}{'longest T @ B=1':>17}")
     for r in results:
         r["memory_vs_hf_by_phase"] = {
             phase: peak / base["peak_memory_by_phase_gib"][phase] for phase, peak in r["peak_memory_by_phase_gib"].items()
         }
         r["speedup_vs_hf"] = r["tokens_per_second"] / base["tokens_per_second"]
         r["memory_vs_hf"] = r["peak_memory_gib"] / base["peak_memory_gib"]
-        print(f"{r['label']:<30}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
+        print(f"{r['label']:<42}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
               f"{r['memory_vs_hf']:>9.0%}{r['longest_seq_len_batch1']:>17,}")
     for r in results:
         print(r["label"], "peak by phase (GiB):", {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()})
         for row in r.get("peak_tensors", []):
             print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
-    (out / "e2e_llama.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "e2e_llama.png")
-    print(f"wrote {out / 'e2e_llama.json'} and {out / 'e2e_llama.png'}")
+    name = "e2e_llama_lora" if args.lora else "e2e_llama"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / f"{name}.png")
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return 0
 
 
