@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,7 +62,8 @@ def leaf_copies(*tensors, dtype=torch.float64):
 
 def hugging_face_state():
     """What tigon's patches change in Hugging Face's modeling modules: each module's names, and the
-    ``forward`` and ``post_init`` of each family's head class; and PEFT's ``lora.Linear.forward``."""
+    ``forward`` and ``post_init`` of each family's head class; and PEFT's ``lora.Linear.forward``
+    (and ``lora.Linear4bit.forward`` with bitsandbytes)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     from tigon.transformers import FAMILIES
@@ -73,6 +75,10 @@ def hugging_face_state():
         methods = {name: vars(head).get(name) for name in ("forward", "post_init")} if head else {}
         state.append((module, dict(vars(module)), head, methods))
     state.append((None, {}, LoraLinear, {"forward": vars(LoraLinear)["forward"]}))
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        from peft.tuners.lora.bnb import Linear4bit
+
+        state.append((None, {}, Linear4bit, {"forward": vars(Linear4bit)["forward"]}))
     return state
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "swiglu_mlp",
     "geglu_mlp",
     "lora_linear",
+    "add_lora",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "fused_linear_logprobs",
@@ -429,19 +430,19 @@ def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras):
         if lora is not None:
             if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
                 raise TypeError(f"{projection}_lora must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
-            _check_adapter(f"{projection}_lora", weight, *lora)
+            _check_adapter(f"{projection}_lora", *weight.shape, *lora)
+            check_same_device(x=x, **{f"{projection}_lora: lora_a": lora[0]})
 
 
-def _check_adapter(prefix, weight, lora_a, lora_b, scaling):
-    """An adapter ``lora_a [r, in]``, ``lora_b [out, r]`` (any float dtype) of ``weight [out, in]``."""
+def _check_adapter(prefix, n_out, n_in, lora_a, lora_b, scaling):
+    """An adapter ``lora_a [r, n_in]``, ``lora_b [n_out, r]`` (any float dtype) and its scaling."""
     check_tensor(f"{prefix}: lora_a", lora_a, dim=2)
     check_tensor(f"{prefix}: lora_b", lora_b, dim=2)
-    n_out, n_in = weight.shape
     rank = lora_a.shape[0]
     check_shape(f"{prefix}: lora_a", lora_a, (rank, n_in), "[rank, in_features of the base weight]")
     check_shape(f"{prefix}: lora_b", lora_b, (n_out, rank), "[out_features of the base weight, rank of lora_a]")
     check_numbers(**{f"{prefix}: scaling": scaling})
-    check_same_device(weight=weight, lora_a=lora_a, lora_b=lora_b)
+    check_same_device(lora_a=lora_a, lora_b=lora_b)
 
 
 def swiglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lora=None, down_lora=None):
@@ -507,12 +508,37 @@ def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, *, bias=None, x_adapter=
         check_tensor("bias", bias, dim=1)
         check_shape("bias", bias, (weight.shape[0],), "[out_features] of weight")
     check_same_dtype(x=x, weight=weight, bias=bias)
-    _check_adapter("lora", weight, lora_a, lora_b, scaling)
+    _check_adapter("lora", *weight.shape, lora_a, lora_b, scaling)
     if x_adapter is not None:
         check_tensor("x_adapter", x_adapter)
         check_shape("x_adapter", x_adapter, tuple(x.shape), "the shape of x")
     check_same_device(x=x, weight=weight, bias=bias, lora_a=lora_a, x_adapter=x_adapter)
     return _lora.lora_linear(x, weight, bias, lora_a, lora_b, scaling, x_adapter)
+
+
+def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
+    """A LoRA adapter over the output of a base layer tigon does not compute (a quantised one, as
+    in QLoRA): ``base_out + scaling · (x @ lora_aᵀ) @ lora_bᵀ``.
+
+    One ``addmm`` reads ``base_out`` and writes the sum; backward passes the output's gradient to
+    ``base_out`` unchanged (to the base layer's own backward) and computes the adapter's terms
+    from the kept inputs, nothing of shape ``[..., out]`` kept (see :mod:`tigon.ops.lora`). The
+    products run in ``base_out``'s dtype with fp32 accumulation; ``x`` (the base layer's input, or
+    its dropout) and the adapter's weights may be of another float dtype and get their gradients
+    in their own.
+
+    Args:
+        base_out: ``[..., out]``, the base layer's output.
+        x: ``[..., in]`` with ``base_out``'s leading dimensions.
+        lora_a: ``[r, in]``; lora_b: ``[out, r]``; scaling: a float (``lora_alpha / r``).
+    Returns ``[..., out]`` of ``base_out``'s dtype.
+    """
+    check_tensor("base_out", base_out)
+    check_tensor("x", x)
+    check_shape("x", x, (*base_out.shape[:-1], x.shape[-1]), "[the leading dimensions of base_out, in_features]")
+    _check_adapter("lora", base_out.shape[-1], x.shape[-1], lora_a, lora_b, scaling)
+    check_same_device(base_out=base_out, x=x, lora_a=lora_a)
+    return _lora.add_lora(base_out, x, lora_a, lora_b, scaling)
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

@@ -29,14 +29,15 @@ def _linear_inputs(shape, dtype, adapter_dtype, *, bias=False, base_grad=False):
 def test_lora_linear(shape, dtype, adapter_dtype, dropout):
     x, weight, lora_a, lora_b, bias = _linear_inputs(shape, dtype, ADAPTER_DTYPES[adapter_dtype], bias=True)
     scaling = 2.0
-    x_adapter = None
+    x_adapter = mask = None
     if dropout:
-        # As PEFT: the dropout of x cast to the adapter's dtype, a tensor of its own in the graph.
-        x_adapter = torch.nn.functional.dropout(x.to(lora_a.dtype), p=0.25, training=True)
+        # As PEFT: the dropout of x cast to the adapter's dtype, a tensor of its own in the graph
+        # (the mask drawn here, for the reference: x may hold exact zeros).
+        mask = torch.rand(x.shape, device=x.device) >= 0.25
+        x_adapter = x.to(lora_a.dtype) * mask / 0.75
     out = tf.lora_linear(x, weight, lora_a, lora_b, scaling, bias=bias, x_adapter=x_adapter)
     x64, weight64, a64, b64, bias64 = leaf_copies(x, weight, lora_a, lora_b, bias)
-    mask = None if x_adapter is None else (x_adapter != 0).double() / 0.75
-    truth = reference.lora_linear(x64, weight64, a64, b64, scaling, bias64, None if mask is None else x64 * mask)
+    truth = reference.lora_linear(x64, weight64, a64, b64, scaling, bias64, None if mask is None else x64 * mask / 0.75)
     assert out.dtype == dtype and out.shape == (shape[0], shape[2])
     # The base and adapter products each round to the dtype before their sum is rounded.
     assert_close(out, truth, dtype, "output", 2.0)
@@ -102,6 +103,37 @@ def test_lora_linear_bad_inputs_are_named():
         tf.lora_linear(x, weight.bfloat16(), lora_a, lora_b)
     with pytest.raises(ValueError, match="scaling requires grad"):
         tf.lora_linear(x, weight, lora_a, lora_b, torch.tensor(2.0, requires_grad=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("adapter_dtype", ADAPTER_DTYPES)
+def test_add_lora(dtype, adapter_dtype):
+    """The adapter over a base output computed elsewhere (QLoRA's 4-bit layer): the base output's
+    gradient is the output's, unchanged."""
+    rows, n_in, n_out, rank = LINEAR_SHAPES[0]
+    x, _, lora_a, lora_b, _ = _linear_inputs(LINEAR_SHAPES[0], dtype, ADAPTER_DTYPES[adapter_dtype])
+    base_out = randn(rows, n_out, dtype=dtype, requires_grad=True)
+    out = tf.add_lora(base_out, x, lora_a, lora_b, 0.5)
+    base64, x64, a64, b64 = leaf_copies(base_out, x, lora_a, lora_b)
+    truth = reference.add_lora(base64, x64, a64, b64, 0.5)
+    assert out.dtype == dtype
+    assert_close(out, truth, dtype, "output", 2.0)
+    dout = randn(*out.shape, dtype=dtype)
+    out.backward(dout)
+    truth.backward(dout.double())
+    assert torch.equal(base_out.grad, dout)
+    for name, tensor, truth_tensor in (("x", x, x64), ("lora_a", lora_a, a64), ("lora_b", lora_b, b64)):
+        assert tensor.grad.dtype == tensor.dtype
+        assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}", 2.0)
+
+
+def test_add_lora_bad_inputs_are_named():
+    rows, n_in, n_out, rank = LINEAR_SHAPES[0]
+    x, _, lora_a, lora_b, _ = _linear_inputs(LINEAR_SHAPES[0], torch.float32, None)
+    with pytest.raises(ValueError, match=r"x must have shape .*leading dimensions of base_out"):
+        tf.add_lora(randn(rows + 1, n_out), x, lora_a, lora_b)
+    with pytest.raises(ValueError, match=rf"lora: lora_b must have shape \({n_out + 1}, {rank}\)"):
+        tf.add_lora(randn(rows, n_out + 1), x, lora_a, lora_b)
 
 
 MLP_LORA_SIZES = pick(cpu=[(72, 200)], gpu=[(4096, 14336)])

@@ -12,9 +12,10 @@ allocated.
 
 ``--lora`` trains PEFT LoRA adapters instead (r 16, alpha 32, no dropout, on q, k, v, o, gate, up
 and down; PEFT's defaults otherwise, so fp32 adapters on the bf16 model), AdamW on the adapters
-only, and adds tigon's full fine-tuning of the same model and batch for scale.
+only, and adds tigon's full fine-tuning of the same model and batch for scale. ``--qlora`` does the
+same over a 4-bit base: the decoder's linear layers as bitsandbytes NF4 layers computing in bf16.
 
-    tigon bench e2e [--lora] [--setups hf liger tigon] [--steps 6] [--optimizer fused] [--out DIR]
+    tigon bench e2e [--lora | --qlora] [--setups hf liger tigon] [--steps 6] [--optimizer fused] [--out DIR]
     (python -m tigon.bench.e2e takes the same arguments)
 """
 
@@ -78,6 +79,25 @@ def with_lora(model):
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
+
+
+def quantize_4bit(model, compute_dtype=torch.bfloat16):
+    """``model`` with the linear layers of its decoder as bitsandbytes 4-bit NF4 layers computing
+    in ``compute_dtype`` (QLoRA's base), on the GPU; the head stays as it was."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    quantized = bnb.nn.Linear4bit(
+                        child.in_features, child.out_features, bias=child.bias is not None,
+                        compute_dtype=compute_dtype, quant_type="nf4",
+                    )
+                    quantized.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
+                    setattr(parent, name, quantized.cuda())
+    torch.cuda.empty_cache()
+    return model
 
 
 def new_optimizer(model, kind: str) -> torch.optim.Optimizer:
@@ -151,22 +171,26 @@ def time_steps(model, optimizer, batch: int, seq_len: int, steps: int, generator
     }
 
 
-def label(setup: str, lora: bool) -> str:
+def label(setup: str, lora: str | None) -> str:
+    """The setup's name in tables and plots; ``lora`` is "LoRA", "QLoRA" or ``None``."""
     if setup == FULL_TIGON:
         return "Hugging Face + tigon, full fine-tuning"
-    return LABELS[setup] + (" + PEFT LoRA" if lora else "")
+    return LABELS[setup] + (f" + PEFT {lora}" if lora else "")
 
 
 def run_setup(args, setup: str) -> dict:
     batch, seq_len = args.batch, args.seq_len
-    lora = args.lora and setup != FULL_TIGON
+    lora = (args.lora or args.qlora) and setup != FULL_TIGON
     model = build_model("tigon" if setup == FULL_TIGON else setup, args.layers)
+    if lora and args.qlora:
+        model = quantize_4bit(model)
     if lora:
         model = with_lora(model)
     optimizer = new_optimizer(model, args.optimizer)
     generator = torch.Generator(device="cuda").manual_seed(0)
     result = {
-        "setup": setup, "label": label(setup, args.lora), "lora": lora, "layers": args.layers, "batch": batch,
+        "setup": setup, "label": label(setup, "QLoRA" if args.qlora else "LoRA" if args.lora else None),
+        "lora": lora, "layers": args.layers, "batch": batch,
         "seq_len": seq_len, "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
         **time_steps(model, optimizer, batch, seq_len, args.steps, generator),
     }
@@ -203,7 +227,9 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_title(title)
         for i, r in enumerate(results):
             ax.annotate(f"{r[key]:,.0f}" if r[key] > 100 else f"{r[key]:.1f}", (i, r[key]), ha="center", va="bottom")
-    what = "PEFT LoRA r 16 on all linear layers" if results[0]["lora"] else "full fine-tuning"
+    what = "full fine-tuning"
+    if results[0]["lora"]:
+        what = f"PEFT {'QLoRA (NF4 base)' if 'QLoRA' in results[0]['label'] else 'LoRA'} r 16 on all linear layers"
     fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, {what}, {results[0]['optimizer']}, gradient checkpointing"
                  f" — {torch.cuda.get_device_name()}")
     fig.tight_layout()
@@ -222,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
     parser.add_argument("--memory-profile", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters; adds tigon's full fine-tuning")
+    parser.add_argument("--qlora", action="store_true", help="as --lora over a bitsandbytes 4-bit NF4 base")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", choices=(*SETUPS, FULL_TIGON), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -238,12 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or _default_out(False, torch.cuda.get_device_name())
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for setup in [*args.setups, *[FULL_TIGON] * args.lora]:
+    lora = args.lora or args.qlora
+    for setup in [*args.setups, *[FULL_TIGON] * lora]:
         command = [
             sys.executable, "-m", "tigon.bench.e2e", "--child", setup, "--layers", str(args.layers),
             "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--max-search", str(args.max_search), "--optimizer", args.optimizer,
-            *["--lora"] * args.lora, *["--memory-profile"] * args.memory_profile,
+            *["--lora"] * args.lora, *["--qlora"] * args.qlora, *["--memory-profile"] * args.memory_profile,
         ]
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -267,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print(r["label"], "peak by phase (GiB):", {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()})
         for row in r.get("peak_tensors", []):
             print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
-    name = "e2e_llama_lora" if args.lora else "e2e_llama"
+    name = "e2e_llama_qlora" if args.qlora else "e2e_llama_lora" if args.lora else "e2e_llama"
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     plot(results, out / f"{name}.png")
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")

@@ -28,6 +28,12 @@ the adapter's weights, of any float dtype (PEFT keeps them in fp32), are cast to
 matmuls, and their gradients are returned in their own dtype. This is what autocast does with
 fp32 weights; in fp32 it is PEFT's arithmetic.
 
+Over a base layer that tigon does not compute (bitsandbytes' 4-bit layers of QLoRA), the adapter
+is added to the base's output by :class:`LoRAAddFunction`: ``y = base_out + s · (x̃ Aᵀ) Bᵀ`` in one
+``addmm``, whose backward passes ``dy`` to the base's own backward unchanged and computes the
+adapter's terms as above (``x``'s gradient from the adapter, ``g A``, is then summed with the
+base's by autograd).
+
 The gated MLP with adapters on its projections, which keeps only its input under checkpointing,
 is :class:`tigon.ops.gated.GatedMLPFunction`; it uses the helpers here.
 """
@@ -123,3 +129,38 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling, x_adapter):
     validated by :mod:`tigon.functional`."""
     x_kept = keep_for_backward(x, weight, bias, lora_a, lora_b, x_adapter)
     return LoRALinearFunction.apply(x_kept, weight, bias, lora_a, lora_b, float(scaling), x_adapter)
+
+
+class LoRAAddFunction(torch.autograd.Function):
+    """``base_out + s · (x̃ Aᵀ) Bᵀ`` keeping nothing but its inputs (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_adapter, base_out, lora_a, lora_b, scaling):
+        ctx.kept_by, ctx.scaling = x_adapter.grad_fn, scaling
+        base_rows = as_rows(base_out)
+        (adapter,) = adapters(base_out.dtype, (lora_a, lora_b), (scaling,))
+        u = as_rows(x_adapter).to(base_out.dtype) @ adapter.a.T
+        return torch.addmm(base_rows, u, adapter.b.T, alpha=scaling).view(base_out.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x_adapter, lora_a, lora_b = kept_tensors(ctx)
+        _, need_base, need_a, need_b, _ = ctx.needs_input_grad
+        (adapter,) = adapters(dout.dtype, (lora_a, lora_b), (ctx.scaling,))
+        x_rows, dout_rows = as_rows(x_adapter).to(dout.dtype), as_rows(dout)
+        dout_b = dout_rows @ adapter.b
+        dout_b.mul_(adapter.scaling)
+        grad_a = (dout_b.T @ x_rows).to(lora_a.dtype) if need_a else None
+        grad_b = None
+        if need_b:
+            grad_b = (dout_rows.T @ (x_rows @ adapter.a.T)).mul_(adapter.scaling).to(lora_b.dtype)
+        grad_x = None
+        if kept_x_needs_grad(ctx):
+            grad_x = (dout_b @ adapter.a).to(x_adapter.dtype).view(x_adapter.shape)
+        return grad_x, dout if need_base else None, grad_a, grad_b, None
+
+
+def add_lora(base_out, x_adapter, lora_a, lora_b, scaling):
+    """``base_out + s · (x̃ Aᵀ) Bᵀ``; inputs validated by :mod:`tigon.functional`."""
+    x_kept = keep_for_backward(x_adapter, lora_a, lora_b)
+    return LoRAAddFunction.apply(x_kept, base_out, lora_a, lora_b, float(scaling))

@@ -205,6 +205,11 @@ def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, bias=None, x_adapter=Non
     return F.linear(x, weight, bias) + F.linear(F.linear(x_adapter, lora_a), lora_b) * scaling
 
 
+def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
+    """PEFT's adapter over a quantised base layer's output: ``base_out + lora_B(lora_A(x)) · scaling``."""
+    return base_out + F.linear(F.linear(x, lora_a), lora_b) * scaling
+
+
 def gated_mlp(x, gate_weight, up_weight, down_weight, gate_fn, gate_lora=None, up_lora=None, down_lora=None):
     """``down(gate_fn(gate(x), up(x)))``, each projection a linear layer with an optional LoRA
     adapter ``(lora_a, lora_b, scaling)``."""

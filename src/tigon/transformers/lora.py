@@ -12,11 +12,15 @@ The patch is on PEFT's class, so adapters added after tigon's patch (``get_peft_
 patched model, or ``SFTTrainer(peft_config=...)``) take the fused path too. Parameters, names and
 saved adapter files are PEFT's own: only ``forward`` changes.
 
+QLoRA: over bitsandbytes' 4-bit base layers, PEFT's ``lora.Linear4bit.forward`` runs the base
+layer's own 4-bit matmul and adds the adapter by :func:`tigon.functional.add_lora` (one ``addmm``
+over the base output, no fp32 copies); the whole-MLP function does not apply there.
+
 What stays on PEFT's path (same results, PEFT's speed): DoRA and the other LoRA variants (their
 magnitude vector's norm is taken over the merged weight: not a sum of two products), several
 active adapters or a mixed batch (``adapter_names=``), merged or disabled adapters, a LoRA bias,
-``fan_in_fan_out`` (Conv1D bases), quantised or hooked base layers (bitsandbytes' 4-bit QLoRA,
-DeepSpeed ZeRO-3, FSDP2 shards), and autocast (base weight and input of different dtypes).
+``fan_in_fan_out`` (Conv1D bases), 8-bit and hooked base layers (DeepSpeed ZeRO-3, FSDP2 shards),
+and autocast (base weight and input of different dtypes).
 """
 
 from __future__ import annotations
@@ -35,41 +39,63 @@ from tigon import functional as F
 from tigon.nn import linear_weight_usable
 
 
-class FusableLoRA(NamedTuple):
-    """What :func:`tigon.functional.lora_linear` needs of a PEFT LoRA layer."""
+class Adapter(NamedTuple):
+    """The one active adapter of a PEFT LoRA layer: its weights, scaling and dropout (``None``
+    without one)."""
 
-    weight: torch.Tensor
-    bias: torch.Tensor | None
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
     dropout: nn.Dropout | None
 
+    def input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the adapter reads: ``None`` for ``x`` itself, else its dropout in PEFT's order and
+        dtype (the same mask from the same random stream)."""
+        return None if self.dropout is None else self.dropout(x.to(self.lora_a.dtype))
 
-def _plain_adapter_linear(linear) -> bool:
+
+class FusableLoRA(NamedTuple):
+    """What :func:`tigon.functional.lora_linear` needs of a PEFT LoRA layer over an ``nn.Linear``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    adapter: Adapter
+
+
+def _plain_linear(linear) -> bool:
     return (
-        type(linear) is nn.Linear and linear.bias is None and not isinstance(linear.weight, DTensor)
+        type(linear) is nn.Linear and not isinstance(linear.weight, DTensor)
         and not (linear._forward_pre_hooks or linear._forward_hooks)
     )
 
 
-def fusable_lora(layer, x: torch.Tensor) -> FusableLoRA | None:
-    """The base weight, adapter and dropout of PEFT LoRA layer ``layer`` when tigon computes its
-    forward exactly on input ``x``; ``None`` for anything on PEFT's own path (module docstring)."""
-    if layer.disable_adapters or layer.merged or layer.fan_in_fan_out or len(layer.active_adapters) != 1:
+def active_adapter(layer) -> Adapter | None:
+    """The adapter of PEFT LoRA layer ``layer`` when tigon computes it exactly: one active plain
+    LoRA adapter (no variant, no LoRA bias) with no dropout or ``nn.Dropout``; else ``None``."""
+    if layer.disable_adapters or layer.merged or getattr(layer, "fan_in_fan_out", False):
+        return None
+    if len(layer.active_adapters) != 1:
         return None
     (name,) = layer.active_adapters
     if name not in layer.lora_A or name in layer.lora_variant:
         return None
     lora_a, lora_b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
-    if not (linear_weight_usable(layer.base_layer, x) and _plain_adapter_linear(lora_a) and _plain_adapter_linear(lora_b)):
+    if not (_plain_linear(lora_a) and _plain_linear(lora_b) and lora_a.bias is None and lora_b.bias is None):
         return None
     if type(dropout) is nn.Identity or (type(dropout) is nn.Dropout and (dropout.p == 0 or not dropout.training)):
         dropout = None
     elif type(dropout) is not nn.Dropout:
         return None
-    base = layer.base_layer
-    return FusableLoRA(base.weight, base.bias, lora_a.weight, lora_b.weight, layer.scaling[name], dropout)
+    return Adapter(lora_a.weight, lora_b.weight, layer.scaling[name], dropout)
+
+
+def fusable_lora(layer, x: torch.Tensor) -> FusableLoRA | None:
+    """The base weight and adapter of PEFT ``lora.Linear`` layer ``layer`` when tigon computes its
+    forward exactly on input ``x``; ``None`` for anything on PEFT's own path (module docstring)."""
+    adapter = active_adapter(layer)
+    if adapter is None or not linear_weight_usable(layer.base_layer, x):
+        return None
+    return FusableLoRA(layer.base_layer.weight, layer.base_layer.bias, adapter)
 
 
 def mlp_projection(linear, x: torch.Tensor):
@@ -83,9 +109,10 @@ def mlp_projection(linear, x: torch.Tensor):
     if peft_linear is None or type(linear) is not peft_linear or linear._forward_pre_hooks or linear._forward_hooks:
         return None
     fusable = fusable_lora(linear, x)
-    if fusable is None or fusable.bias is not None or fusable.dropout is not None:
+    if fusable is None or fusable.bias is not None or fusable.adapter.dropout is not None:
         return None
-    return fusable.weight, (fusable.lora_a, fusable.lora_b, fusable.scaling)
+    adapter = fusable.adapter
+    return fusable.weight, (adapter.lora_a, adapter.lora_b, adapter.scaling)
 
 
 def lora_linear_forward(forward):
@@ -97,16 +124,34 @@ def lora_linear_forward(forward):
         fusable = None if args or kwargs or _module._global_forward_hooks else fusable_lora(self, x)
         if fusable is None:
             return forward(self, x, *args, **kwargs)
-        x_adapter = None
-        if fusable.dropout is not None:
-            # PEFT's order and dtype: the same mask from the same random stream.
-            x_adapter = fusable.dropout(x.to(fusable.lora_a.dtype))
+        adapter = fusable.adapter
         return F.lora_linear(
-            x, fusable.weight, fusable.lora_a, fusable.lora_b, fusable.scaling, bias=fusable.bias, x_adapter=x_adapter
+            x, fusable.weight, adapter.lora_a, adapter.lora_b, adapter.scaling, bias=fusable.bias,
+            x_adapter=adapter.input(x),
         )
 
     tigon_lora_forward.tigon_wraps = forward
     return tigon_lora_forward
+
+
+def lora_4bit_forward(forward):
+    """PEFT's ``lora.Linear4bit.forward`` (QLoRA): the base layer's own 4-bit matmul, then the
+    adapter by :func:`tigon.functional.add_lora`, when :func:`active_adapter` allows and autocast
+    is off; else ``forward`` (PEFT's own)."""
+
+    @functools.wraps(forward)
+    def tigon_lora_4bit_forward(self, x, *args, **kwargs):
+        adapter = None
+        if not (args or kwargs or _module._global_forward_hooks or torch.is_autocast_enabled(x.device.type)):
+            adapter = active_adapter(self)
+        if adapter is None:
+            return forward(self, x, *args, **kwargs)
+        x_adapter = adapter.input(x)
+        base_out = self.base_layer(x)
+        return F.add_lora(base_out, x if x_adapter is None else x_adapter, adapter.lora_a, adapter.lora_b, adapter.scaling)
+
+    tigon_lora_4bit_forward.tigon_wraps = forward
+    return tigon_lora_4bit_forward
 
 
 def _patched_peft_linear():
@@ -118,10 +163,17 @@ def _patched_peft_linear():
 
 
 def patch_peft() -> None:
-    """Route PEFT's ``lora.Linear.forward`` through tigon (idempotent; nothing without PEFT)."""
+    """Route PEFT's ``lora.Linear.forward`` (and, with bitsandbytes, ``lora.Linear4bit.forward``)
+    through tigon (idempotent; nothing without PEFT)."""
     if importlib.util.find_spec("peft") is None:
         return
     from peft.tuners.lora.layer import Linear
 
-    if not hasattr(Linear.forward, "tigon_wraps"):
-        Linear.forward = lora_linear_forward(Linear.forward)
+    patches = [(Linear, lora_linear_forward)]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        from peft.tuners.lora.bnb import Linear4bit
+
+        patches.append((Linear4bit, lora_4bit_forward))
+    for layer_class, wrap in patches:
+        if not hasattr(layer_class.forward, "tigon_wraps"):
+            layer_class.forward = wrap(layer_class.forward)
