@@ -96,6 +96,9 @@ def quantize_4bit(model, compute_dtype=torch.bfloat16):
                     )
                     quantized.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
                     setattr(parent, name, quantized.cuda())
+    # As transformers' bitsandbytes quantizer marks a model it loads in 4 bits: PEFT then wraps these
+    # layers with its QLoRA class (lora.Linear4bit), as it does for a from_pretrained 4-bit model.
+    model.is_loaded_in_4bit = True
     torch.cuda.empty_cache()
     return model
 
