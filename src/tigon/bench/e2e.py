@@ -213,18 +213,21 @@ def run_setup(args, setup: str) -> dict:
     return result
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["label"].replace("Hugging Face", "HF").replace(", full fine-tuning", "\n(full FT)") for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key, title in zip(
-        axes, ("tokens_per_second", "peak_memory_gib", "longest_seq_len_batch1"),
-        ("tokens/s (batch 4 × 4096)", "peak memory (GiB)", "longest sequence at batch 1"),
-    ):
+    labels = [
+        r["label"].replace("Hugging Face", "HF").replace(" + ", "\n+ ").replace(", full fine-tuning", "\n(full FT)")
+        for r in results
+    ]
+    panels = [("tokens_per_second", "tokens/s (batch 4 × 4096)"), ("peak_memory_gib", "peak memory (GiB)")]
+    if any(r["longest_seq_len_batch1"] for r in results):  # searched unless --max-search 0
+        panels.append(("longest_seq_len_batch1", "longest sequence at batch 1"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (key, title) in zip(axes, panels):
         ax.bar(labels, [r[key] for r in results], color=["tab:gray", "tab:blue", "tab:orange", "tab:olive"][: len(results)])
         ax.tick_params(axis="x", labelsize=8)
         ax.set_title(title)
@@ -234,7 +237,7 @@ def plot(results: list[dict], path: Path) -> None:
     if results[0]["lora"]:
         what = f"PEFT {'QLoRA (NF4 base)' if 'QLoRA' in results[0]['label'] else 'LoRA'} r 16 on all linear layers"
     fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, {what}, {results[0]['optimizer']}, gradient checkpointing"
-                 f" — {torch.cuda.get_device_name()}")
+                 f" — {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
     name = "e2e_llama_qlora" if args.qlora else "e2e_llama_lora" if args.lora else "e2e_llama"
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / f"{name}.png")
+    plot(results, out / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return 0
 
