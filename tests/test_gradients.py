@@ -125,6 +125,28 @@ CASES = {
         lambda: dict(x=_leaf(3, 8), gate_weight=_leaf(12, 8), up_weight=_leaf(12, 8), down_weight=_leaf(8, 12)),
         set(),
     ),
+    "lora_linear": (
+        tf.lora_linear,
+        lambda: dict(x=_leaf(3, 8), weight=_leaf(5, 8), lora_a=_leaf(2, 8), lora_b=_leaf(5, 2), scaling=_number(2.0),
+                     bias=_leaf(5)),
+        {"scaling"},
+    ),
+    "lora_linear/dropout": (
+        tf.lora_linear,
+        lambda: dict(x=_leaf(3, 8), weight=_leaf(5, 8), lora_a=_leaf(2, 8), lora_b=_leaf(5, 2), x_adapter=_leaf(3, 8)),
+        set(),
+    ),
+    "add_lora": (
+        tf.add_lora,
+        lambda: dict(base_out=_leaf(3, 5), x=_leaf(3, 8), lora_a=_leaf(2, 8), lora_b=_leaf(5, 2), scaling=_number(2.0)),
+        {"scaling"},
+    ),
+    "swiglu_mlp/lora": (
+        tf.swiglu_mlp,
+        lambda: dict(x=_leaf(3, 8), gate_weight=_leaf(12, 8), up_weight=_leaf(12, 8), down_weight=_leaf(8, 12),
+                     gate_lora=(_leaf(2, 8), _leaf(12, 2), 2.0), down_lora=(_leaf(3, 12), _leaf(8, 3), 0.5)),
+        set(),
+    ),
     "cross_entropy": (
         tf.cross_entropy,
         lambda: dict(logits=_leaf(N, V), target=_ids(N), label_smoothing=_number(0.1), lse_square_scale=_number(0.01),

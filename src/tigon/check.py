@@ -112,6 +112,15 @@ def _cases(small: bool) -> list[Case]:
             "target": target,
         }
 
+    def lora_inputs(device, dtype, _):
+        rank = 16
+        return {
+            "x": _randn(device, dtype, rows, hidden),
+            "weight": _randn(device, dtype, inter, hidden, scale=hidden**-0.5),
+            "lora_a": _randn(device, dtype, rank, hidden, scale=hidden**-0.5),
+            "lora_b": _randn(device, dtype, inter, rank, scale=rank**-0.5),
+        }
+
     def ln_inputs(device, dtype, _):
         return {**norm_inputs(device, dtype, False), "bias": _randn(device, dtype, hidden)}
 
@@ -151,6 +160,10 @@ def _cases(small: bool) -> list[Case]:
         Case(
             "swiglu_clamped", f"[{rows}, 2·{expert_inter}] interleaved", gate_up_inputs,
             lambda m, i: m.swiglu_clamped(**i),
+        ),
+        Case(
+            "lora_linear", f"[{rows}, {hidden}] x [{inter}, {hidden}], r 16", lora_inputs,
+            lambda m, i: m.lora_linear(**i, scaling=2.0),
         ),
         Case("cross_entropy", f"[{n_tokens}, {vocab}]", ce_inputs, lambda m, i: m.cross_entropy(**i)),
         Case(

@@ -430,19 +430,22 @@ def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras):
         if lora is not None:
             if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
                 raise TypeError(f"{projection}_lora must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
-            _check_adapter(f"{projection}_lora", *weight.shape, *lora)
-            check_same_device(x=x, **{f"{projection}_lora: lora_a": lora[0]})
+            _check_adapter(*weight.shape, *lora, owner=f"{projection}_lora")
+            check_same_device(x=x, **{f"{projection}_lora[0] (lora_a)": lora[0]})
 
 
-def _check_adapter(prefix, n_out, n_in, lora_a, lora_b, scaling):
-    """An adapter ``lora_a [r, n_in]``, ``lora_b [n_out, r]`` (any float dtype) and its scaling."""
-    check_tensor(f"{prefix}: lora_a", lora_a, dim=2)
-    check_tensor(f"{prefix}: lora_b", lora_b, dim=2)
+def _check_adapter(n_out, n_in, lora_a, lora_b, scaling, owner=None):
+    """An adapter ``lora_a [r, n_in]``, ``lora_b [n_out, r]`` (any float dtype) and its scaling;
+    ``owner`` names the argument that holds them (an MLP's ``gate_lora``), if not the function."""
+    names = {name: name if owner is None else f"{owner}[{index}] ({name})"
+             for index, name in enumerate(("lora_a", "lora_b", "scaling"))}
+    check_tensor(names["lora_a"], lora_a, dim=2)
+    check_tensor(names["lora_b"], lora_b, dim=2)
     rank = lora_a.shape[0]
-    check_shape(f"{prefix}: lora_a", lora_a, (rank, n_in), "[rank, in_features of the base weight]")
-    check_shape(f"{prefix}: lora_b", lora_b, (n_out, rank), "[out_features of the base weight, rank of lora_a]")
-    check_numbers(**{f"{prefix}: scaling": scaling})
-    check_same_device(lora_a=lora_a, lora_b=lora_b)
+    check_shape(names["lora_a"], lora_a, (rank, n_in), "[rank, in_features of the base weight]")
+    check_shape(names["lora_b"], lora_b, (n_out, rank), "[out_features of the base weight, rank of lora_a]")
+    check_numbers(**{names["scaling"]: scaling})
+    check_same_device(**{names["lora_a"]: lora_a, names["lora_b"]: lora_b})
 
 
 def swiglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lora=None, down_lora=None):
@@ -508,7 +511,7 @@ def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, *, bias=None, x_adapter=
         check_tensor("bias", bias, dim=1)
         check_shape("bias", bias, (weight.shape[0],), "[out_features] of weight")
     check_same_dtype(x=x, weight=weight, bias=bias)
-    _check_adapter("lora", *weight.shape, lora_a, lora_b, scaling)
+    _check_adapter(*weight.shape, lora_a, lora_b, scaling)
     if x_adapter is not None:
         check_tensor("x_adapter", x_adapter)
         check_shape("x_adapter", x_adapter, tuple(x.shape), "the shape of x")
@@ -536,7 +539,7 @@ def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
     check_tensor("base_out", base_out)
     check_tensor("x", x)
     check_shape("x", x, (*base_out.shape[:-1], x.shape[-1]), "[the leading dimensions of base_out, in_features]")
-    _check_adapter("lora", base_out.shape[-1], x.shape[-1], lora_a, lora_b, scaling)
+    _check_adapter(base_out.shape[-1], x.shape[-1], lora_a, lora_b, scaling)
     check_same_device(base_out=base_out, x=x, lora_a=lora_a)
     return _lora.add_lora(base_out, x, lora_a, lora_b, scaling)
 

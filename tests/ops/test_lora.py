@@ -93,9 +93,9 @@ def test_lora_linear_no_input_gradient_when_x_needs_none():
 def test_lora_linear_bad_inputs_are_named():
     x, weight, lora_a, lora_b, _ = _linear_inputs(LINEAR_SHAPES[0], torch.float32, None)
     rank, n_in = lora_a.shape
-    with pytest.raises(ValueError, match=rf"lora: lora_a must have shape \({rank}, {n_in}\).*got \({rank}, {n_in - 1}\)"):
+    with pytest.raises(ValueError, match=rf"lora_a must have shape \({rank}, {n_in}\).*got \({rank}, {n_in - 1}\)"):
         tf.lora_linear(x, weight, lora_a[:, 1:], lora_b)
-    with pytest.raises(ValueError, match=r"lora: lora_b must have shape .*rank of lora_a"):
+    with pytest.raises(ValueError, match=r"lora_b must have shape .*rank of lora_a"):
         tf.lora_linear(x, weight, lora_a, lora_b[:, 1:])
     with pytest.raises(ValueError, match="x_adapter must have shape"):
         tf.lora_linear(x, weight, lora_a, lora_b, x_adapter=x[1:])
@@ -132,7 +132,7 @@ def test_add_lora_bad_inputs_are_named():
     x, _, lora_a, lora_b, _ = _linear_inputs(LINEAR_SHAPES[0], torch.float32, None)
     with pytest.raises(ValueError, match=r"x must have shape .*leading dimensions of base_out"):
         tf.add_lora(randn(rows + 1, n_out), x, lora_a, lora_b)
-    with pytest.raises(ValueError, match=rf"lora: lora_b must have shape \({n_out + 1}, {rank}\)"):
+    with pytest.raises(ValueError, match=rf"lora_b must have shape \({n_out + 1}, {rank}\)"):
         tf.add_lora(randn(rows, n_out + 1), x, lora_a, lora_b)
 
 
@@ -199,7 +199,7 @@ def test_gated_mlp_with_adapters_keeps_only_its_inputs():
 def test_gated_mlp_bad_adapter_is_named():
     x = randn(4, 72)
     base, loras = _mlp_with_adapters(72, 200, torch.float32, None, (4, 4, 4))
-    with pytest.raises(ValueError, match=r"up_lora: lora_b must have shape \(200, 4\)"):
+    with pytest.raises(ValueError, match=r"up_lora\[1\] \(lora_b\) must have shape \(200, 4\)"):
         tf.swiglu_mlp(x, *base, up_lora=(loras[1][0], loras[0][1][:100], 1.0))
     with pytest.raises(TypeError, match=r"down_lora must be None or \(lora_a, lora_b, scaling\)"):
         tf.swiglu_mlp(x, *base, down_lora=loras[2][:2])

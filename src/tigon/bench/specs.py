@@ -350,6 +350,27 @@ def _fused_linear_flops(dims, element_size):
     return 2 * nhv, 4 * nhv
 
 
+def _lora_linear_case(dims, dtype, device):
+    # PEFT's default adapters: fp32 on a model of another dtype; the base weight frozen.
+    n_in, n_out, rank = dims["in"], dims["out"], dims["r"]
+    adapter_dtype = torch.float32
+    args = {
+        "x": _randn((dims["rows"], n_in), dtype, device, True),
+        "weight": _randn((n_out, n_in), dtype, device, scale=n_in**-0.5),
+        "lora_a": _randn((rank, n_in), adapter_dtype, device, True, scale=n_in**-0.5),
+        "lora_b": _randn((n_out, rank), adapter_dtype, device, True, scale=rank**-0.5),
+    }
+    return Case(args, (_randn((dims["rows"], n_out), dtype, device),))
+
+
+def _lora_linear_flops(dims, element_size):
+    # Forward: the base matmul and the adapter's two skinny ones. Backward with the base frozen:
+    # dX = dY·W, and the adapter's four skinny ones (dY·B, dA, dB, (dY·B)·A).
+    base = 2 * dims["rows"] * dims["in"] * dims["out"]
+    skinny = 2 * dims["rows"] * dims["r"] * (dims["in"] + dims["out"])
+    return base + skinny, base + 2 * skinny
+
+
 VOCAB_SIZES = (32000, 65536, 128256, 151936, 262144)
 # The preference losses at issue 5's shape: B = 4 pairs (8 sequences), H = 4096, V = 128256.
 PREFERENCE_SWEEP = Sweep("T", (512, 1024, 2048), 1024, {"B": 4, "H": 4096, "V": 128256})
@@ -493,6 +514,17 @@ OPS: dict[str, OpSpec] = {
             build=_fused_linear_case,
             call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"]),
             work=_fused_linear_flops,
+            unit=FLOPS,
+        ),
+        # A LoRA linear layer (PEFT's lora.Linear: frozen bf16 base, fp32 adapters r 16) at the
+        # projections of Llama-3-8B: k/v (1024), q/o (4096), gate/up (14336), 16384 tokens.
+        OpSpec(
+            "lora_linear", "x [{rows}, {in}], W [{out}, {in}], r {r}",
+            sweep=Sweep("out", (1024, 4096, 14336), 14336, {"rows": 16384, "in": 4096, "r": 16}),
+            smoke=Sweep("out", (40, 96), 96, {"rows": 48, "in": 64, "r": 4}),
+            build=_lora_linear_case,
+            call=lambda f, a: f.lora_linear(a["x"], a["weight"], a["lora_a"], a["lora_b"], 2.0),
+            work=_lora_linear_flops,
             unit=FLOPS,
         ),
         # TRL's fused LM head: per-token log-probs under any per-token gradient (GRPO, DPO) ...

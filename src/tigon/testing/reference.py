@@ -200,9 +200,11 @@ def swiglu_clamped(gate_up, alpha=1.702, limit=7.0):
 
 def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, bias=None, x_adapter=None):
     """PEFT's ``lora.Linear`` forward: ``base(x) + lora_B(lora_A(x̃)) · scaling``, ``x̃`` the
-    dropout of ``x`` (``x_adapter``) or ``x``."""
-    x_adapter = x if x_adapter is None else x_adapter
-    return F.linear(x, weight, bias) + F.linear(F.linear(x_adapter, lora_a), lora_b) * scaling
+    dropout of ``x`` (``x_adapter``) or ``x``, as PEFT computes it: the adapter in its weights'
+    dtype (x cast to it), the sum in the wider dtype, rounded to ``x``'s."""
+    x_adapter = (x if x_adapter is None else x_adapter).to(lora_a.dtype)
+    out = F.linear(x, weight, bias) + F.linear(F.linear(x_adapter, lora_a), lora_b) * scaling
+    return out.to(x.dtype)
 
 
 def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
