@@ -120,3 +120,9 @@ def test_input_sets_exceed_four_times_l2():
     assert len(runner.input_sets(build, l2_bytes=set_bytes)) == 4
     assert len(runner.input_sets(build, l2_bytes=set_bytes // 8)) == 1
     assert len(runner.input_sets(build, l2_bytes=100 * set_bytes)) == runner.MAX_INPUT_SETS
+
+
+@pytest.mark.skipif(ON_GPU, reason="without a GPU, the end-to-end benchmark refuses by name")
+def test_e2e_without_a_gpu_says_why(capsys):
+    assert main(["e2e", "--lora"]) == 1
+    assert "tigon bench e2e trains on a GPU" in capsys.readouterr().out
