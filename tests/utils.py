@@ -106,3 +106,16 @@ class MatmulFlops(TorchDispatchMode):
             a, b = args[-2:]
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
         return func(*args, **(kwargs or {}))
+
+
+def graph_functions(tensor: torch.Tensor) -> set[str]:
+    """The names of the autograd functions ``tensor`` comes from (which path a model took)."""
+    names, seen, pending = set(), set(), [tensor.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return names

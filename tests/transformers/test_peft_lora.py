@@ -19,7 +19,7 @@ from test_families import ILL_CONDITIONED, ILL_CONDITIONED_FROM
 from tigon.bench.e2e import quantize_4bit
 from tigon.transformers import apply_tigon, apply_tigon_to_llama
 from tiny_models import LR, STEPS, _load_weights, _weights, tiny_batch, tiny_model
-from utils import ON_GPU, relative_error
+from utils import ON_GPU, graph_functions, relative_error
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ORDERS = ["peft", "module_patch_then_peft", "patch_then_peft", "peft_then_patch"]
@@ -51,19 +51,6 @@ def lora_model(order: str, *, checkpointing: bool = True, dtype=torch.float32, q
             if "lora_" in name:
                 parameter.normal_(0.0, 0.2)
     return model
-
-
-def graph_functions(tensor) -> set[str]:
-    """The autograd functions behind ``tensor``."""
-    names, seen, pending = set(), set(), [tensor.grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        pending.extend(next_node for next_node, _ in node.next_functions)
-    return names
 
 
 def step(model, batch, seed: int):

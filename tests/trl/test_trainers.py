@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tigon.transformers import apply_tigon
 from tigon.trl import patch_trl, unpatch_trl
-from utils import DEVICE
+from utils import DEVICE, graph_functions
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -139,16 +139,7 @@ TRAINERS = {
 def head_functions(model) -> set[str]:
     """The autograd functions behind the log-probs that ``model``'s fused head returns."""
     input_ids = torch.arange(3, 11, device=model.device).unsqueeze(0)
-    log_probs = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs
-    names, seen, pending = set(), set(), [log_probs.grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        pending.extend(next_node for next_node, _ in node.next_functions)
-    return names
+    return graph_functions(model(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs)
 
 
 def train(name: str, tigon: bool, output_dir, bf16: bool = False):
