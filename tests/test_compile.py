@@ -67,3 +67,33 @@ def test_fullgraph_compile_matches_eager():
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
     for compiled_grad, eager_grad in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_paths_compile_fullgraph():
+    """The LoRA functions keep their inputs through a separate node in eager mode; traced, they
+    save them themselves, and the compiled result is the eager one."""
+    torch.manual_seed(0)
+    hidden, inter, rank = 32, 48, 4
+    x = randn(2, 5, hidden, requires_grad=True)
+    projection = randn(hidden, hidden, scale=hidden**-0.5)
+    mlp = [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
+           randn(hidden, inter, scale=inter**-0.5)]
+
+    def adapter(n_out, n_in, scaling):
+        return randn(rank, n_in, requires_grad=True), randn(n_out, rank, requires_grad=True), scaling
+
+    adapters = [adapter(hidden, hidden, 0.5), adapter(hidden, hidden, 1.5),
+                *(adapter(*weight.shape, 2.0) for weight in mlp)]
+
+    def block(x):
+        h = tf.lora_linear(x, projection, *adapters[0])
+        h = tf.add_lora(h, x, *adapters[1])
+        return tf.swiglu_mlp(h, *mlp, gate_lora=adapters[2], up_lora=adapters[3], down_lora=adapters[4]).square().sum()
+
+    leaves = [x, *(t for a in adapters for t in a[:2])]
+    eager = torch.autograd.grad(block(x), leaves)
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(block, fullgraph=True, backend=BACKEND)(x), leaves)
+    for compiled_grad, eager_grad in zip(compiled, eager):
+        torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-5)

@@ -131,7 +131,7 @@ class KeepForBackwardFunction(torch.autograd.Function):
     is saved again, a function that saves its inputs itself would have its own matmuls recomputed
     for nothing when it is the layer's last. This one saves them before that work; the function
     after it saves nothing and reads them back through this node (``x.grad_fn`` of its input,
-    see :func:`kept_tensors`).
+    see :func:`save_inputs` and :func:`kept_tensors`).
     """
 
     @staticmethod
@@ -145,17 +145,30 @@ class KeepForBackwardFunction(torch.autograd.Function):
 
 
 def keep_for_backward(x: torch.Tensor, *tensors: torch.Tensor | None) -> torch.Tensor:
-    """``x`` (a view) whose ``grad_fn`` holds ``(x, *tensors)`` for :func:`kept_tensors`."""
+    """``x`` (a view) whose ``grad_fn`` holds ``(x, *tensors)`` for the function applied to it next,
+    which calls :func:`save_inputs` in its forward. Under torch.compile, which traces no
+    ``grad_fn`` (and recomputes by its own rules), ``x`` itself: that function saves its inputs."""
+    if torch.compiler.is_compiling():
+        return x
     return KeepForBackwardFunction.apply(x, *tensors)
 
 
+def save_inputs(ctx, x: torch.Tensor, *tensors: torch.Tensor | None) -> None:
+    """In the forward of a function whose input ``x`` came from :func:`keep_for_backward`: note the
+    node that keeps ``(x, *tensors)``, or save them here under torch.compile."""
+    if torch.compiler.is_compiling():
+        ctx.kept_by = None
+        ctx.save_for_backward(x, *tensors)
+    else:
+        ctx.kept_by = x.grad_fn
+
+
 def kept_tensors(ctx) -> tuple:
-    """The tensors :func:`keep_for_backward` saved for the function whose ``ctx.kept_by`` is the
-    ``grad_fn`` of its input."""
-    return ctx.kept_by.saved_tensors
+    """The tensors :func:`save_inputs` recorded, in backward."""
+    return ctx.saved_tensors if ctx.kept_by is None else ctx.kept_by.saved_tensors
 
 
 def kept_x_needs_grad(ctx) -> bool:
     """Whether the ``x`` given to :func:`keep_for_backward` needs a gradient (its view always
     requires one when any kept tensor does)."""
-    return ctx.kept_by.needs_input_grad[0]
+    return ctx.needs_input_grad[0] if ctx.kept_by is None else ctx.kept_by.needs_input_grad[0]

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops import lora as _lora
-from tigon.ops._launch import as_rows, keep_for_backward, kept_tensors, kept_x_needs_grad, tigon_op
+from tigon.ops._launch import as_rows, keep_for_backward, kept_tensors, kept_x_needs_grad, save_inputs, tigon_op
 
 # A program's tile: 4096 elements (8 KiB of a 16-bit tensor); 512 per warp is 16 per thread,
 # i.e. two 16-byte loads of each bf16 input in flight per thread.
@@ -540,7 +540,7 @@ class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_a, gate_b, up_a, up_b, down_a, down_b,
                 scalings, activation, slice_width):
-        ctx.kept_by = x.grad_fn
+        save_inputs(ctx, x, gate_weight, up_weight, down_weight, gate_a, gate_b, up_a, up_b, down_a, down_b)
         ctx.scalings, ctx.activation, ctx.slice_width = scalings, activation, slice_width
         x_rows = as_rows(x)
         gate_adapter, up_adapter, down_adapter = _lora.adapters(

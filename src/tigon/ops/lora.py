@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from tigon.ops._launch import as_rows, keep_for_backward, kept_tensors, kept_x_needs_grad
+from tigon.ops._launch import as_rows, keep_for_backward, kept_tensors, kept_x_needs_grad, save_inputs
 
 
 class Adapter(NamedTuple):
@@ -88,7 +88,8 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, x_adapter):
-        ctx.kept_by, ctx.scaling = x.grad_fn, scaling
+        save_inputs(ctx, x, weight, bias, lora_a, lora_b, x_adapter)
+        ctx.scaling = scaling
         x_rows = as_rows(x)
         (adapter,) = adapters(x.dtype, (lora_a, lora_b), (scaling,))
         x_adapter_rows = x_rows if x_adapter is None else as_rows(x_adapter).to(x.dtype)
@@ -136,7 +137,8 @@ class LoRAAddFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_adapter, base_out, lora_a, lora_b, scaling):
-        ctx.kept_by, ctx.scaling = x_adapter.grad_fn, scaling
+        save_inputs(ctx, x_adapter, lora_a, lora_b)
+        ctx.scaling = scaling
         base_rows = as_rows(base_out)
         (adapter,) = adapters(base_out.dtype, (lora_a, lora_b), (scaling,))
         u = as_rows(x_adapter).to(base_out.dtype) @ adapter.a.T
