@@ -74,11 +74,15 @@ def hugging_face_state():
         head = getattr(module, family.head) if family.head else None
         methods = {name: vars(head).get(name) for name in ("forward", "post_init")} if head else {}
         state.append((module, dict(vars(module)), head, methods))
-    state.append((None, {}, LoraLinear, {"forward": vars(LoraLinear)["forward"]}))
+    peft_layers = [LoraLinear]
     if importlib.util.find_spec("bitsandbytes") is not None:
         from peft.tuners.lora.bnb import Linear4bit
 
-        state.append((None, {}, Linear4bit, {"forward": vars(Linear4bit)["forward"]}))
+        peft_layers.append(Linear4bit)
+    for layer in peft_layers:
+        # PEFT's own forward, even if a test outside this fixture's reach patched it before.
+        forward = vars(layer)["forward"]
+        state.append((None, {}, layer, {"forward": getattr(forward, "tigon_wraps", forward)}))
     return state
 
 

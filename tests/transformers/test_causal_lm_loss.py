@@ -92,7 +92,9 @@ def test_gradient_checkpointing(use_reentrant, patch_first, monkeypatch):
     # whether checkpointing was switched on before or after patching.
     whole_mlp_calls = []
     swiglu_mlp = tigon.functional.swiglu_mlp
-    monkeypatch.setattr(tigon.functional, "swiglu_mlp", lambda *args: whole_mlp_calls.append(1) or swiglu_mlp(*args))
+    monkeypatch.setattr(
+        tigon.functional, "swiglu_mlp", lambda *args, **kwargs: whole_mlp_calls.append(1) or swiglu_mlp(*args, **kwargs)
+    )
     input_ids, labels = tiny_batch()
     truth, truth_grads = loss_and_grads(tiny_model("llama"), input_ids=input_ids, labels=labels)
     model = apply_tigon(tiny_model("llama")) if patch_first else tiny_model("llama")

@@ -164,4 +164,4 @@ def test_renamed_class_is_named_in_the_error():
     renamed = dataclasses.replace(FAMILIES["llama"], norms=(Norm("LlamaRMSNormV2"),))
     flags = dict.fromkeys(patching.LAYER_FLAGS, True)
     with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(norm class\\).*Pass rms_norm=False"):
-        patching.apply_family(renamed, cross_entropy=False, fused_linear_cross_entropy=True, **flags)
+        patching.apply_family(renamed, cross_entropy=False, fused_linear_cross_entropy=True, lora=True, **flags)
