@@ -585,15 +585,14 @@ class _GatedMLPBackward:
         self.activation = ctx.activation
         self.x_rows, self.dout_rows = as_rows(x), as_rows(dout)
         self.x_shape, self.need_x = x.shape, kept_x_needs_grad(ctx)
-        self.weights, lora_tensors = tensors[:3], tensors[3:]
-        self.lora_tensors = lora_tensors
-        self.gate, self.up, self.down = _lora.adapters(x.dtype, lora_tensors, ctx.scalings)
+        self.weights, self.lora_tensors = tensors[:3], tensors[3:]
+        self.gate, self.up, self.down = _lora.adapters(x.dtype, self.lora_tensors, ctx.scalings)
         needs = ctx.needs_input_grad[1:10]
         self.grads = [torch.empty_like(w) if need else None for w, need in zip(self.weights, needs[:3])]
         # Adapter gradients in the compute dtype (cast to each adapter's own dtype at the end).
         self.lora_grads = [
             torch.empty(t.shape, dtype=x.dtype, device=x.device) if t is not None and need else None
-            for t, need in zip(lora_tensors, needs[3:])
+            for t, need in zip(self.lora_tensors, needs[3:])
         ]
         self.grad_x = None
         self.u_gate, self.u_up = _lora.down_project(self.x_rows, self.gate, self.up)

@@ -146,8 +146,8 @@ def lora_4bit_forward(forward):
             adapter = active_adapter(self)
         if adapter is None:
             return forward(self, x, *args, **kwargs)
-        x_adapter = adapter.input(x)
         base_out = self.base_layer(x)
+        x_adapter = adapter.input(x)
         return F.add_lora(base_out, x if x_adapter is None else x_adapter, adapter.lora_a, adapter.lora_b, adapter.scaling)
 
     tigon_lora_4bit_forward.tigon_wraps = forward
