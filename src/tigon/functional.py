@@ -29,6 +29,7 @@ from tigon.ops import fused_linear_logprobs as _fused_linear_logprobs
 from tigon.ops import gated as _gated
 from tigon.ops import layer_norm as _layer_norm
 from tigon.ops import lora as _lora
+from tigon.ops import moe as _moe
 from tigon.ops import rms_norm as _rms_norm
 from tigon.ops import rope as _rope
 from tigon.ops._launch import MAX_FUSED_ROW
@@ -49,6 +50,7 @@ __all__ = [
     "geglu_mlp",
     "lora_linear",
     "add_lora",
+    "moe_experts",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "fused_linear_logprobs",
@@ -542,6 +544,79 @@ def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
     _check_adapter(base_out.shape[-1], x.shape[-1], lora_a, lora_b, scaling)
     check_same_device(base_out=base_out, x=x, lora_a=lora_a)
     return _lora.add_lora(base_out, x, lora_a, lora_b, scaling)
+
+
+def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                    transposed):
+    check_tensor("hidden_states", hidden_states, dim=2)
+    check_tensor("top_k_index", top_k_index, dtypes=INDEX_DTYPES, dim=2)
+    check_tensor("top_k_weights", top_k_weights, dim=2)
+    check_tensor("gate_up_proj", gate_up_proj, dim=3)
+    check_tensor("down_proj", down_proj, dim=3)
+    n_tokens, n_hidden = hidden_states.shape
+    n_experts = gate_up_proj.shape[0]
+    n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+    layout = "transposed " if transposed else ""
+    if transposed:
+        check_shape("gate_up_proj", gate_up_proj, (n_experts, n_hidden, 2 * n_inter), f"{layout}[E, H, 2I]")
+        check_shape("down_proj", down_proj, (n_experts, n_inter, n_hidden), f"{layout}[E, I, H]")
+    else:
+        check_shape("gate_up_proj", gate_up_proj, (n_experts, 2 * n_inter, n_hidden), "[E, 2I, H]")
+        check_shape("down_proj", down_proj, (n_experts, n_hidden, n_inter), "[E, H, I]")
+    check_shape("top_k_index", top_k_index, (n_tokens, top_k_index.shape[1]), "[T, k], T of hidden_states")
+    check_shape("top_k_weights", top_k_weights, tuple(top_k_index.shape), "[T, k], as top_k_index")
+    if gate_up_bias is not None:
+        check_tensor("gate_up_bias", gate_up_bias, dim=2)
+        check_shape("gate_up_bias", gate_up_bias, (n_experts, 2 * n_inter), "[E, 2I]")
+    if down_bias is not None:
+        check_tensor("down_bias", down_bias, dim=2)
+        check_shape("down_bias", down_bias, (n_experts, n_hidden), "[E, H]")
+    check_same_dtype(hidden_states=hidden_states, gate_up_proj=gate_up_proj, down_proj=down_proj,
+                     gate_up_bias=gate_up_bias, down_bias=down_bias)
+    check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                      gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+    if top_k_index.numel() and not (torch.compiler.is_compiling() or capturing):
+        # One host sync; skipped where none is allowed (torch.compile, CUDA graph capture).
+        low, high = (int(v) for v in torch.aminmax(top_k_index))
+        if low < 0 or high >= n_experts:
+            raise ValueError(
+                f"top_k_index must hold expert ids in [0, {n_experts}) (gate_up_proj has {n_experts} experts), "
+                f"got ids from {low} to {high}"
+            )
+
+
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, gate_up_bias=None,
+                down_bias=None, gate="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+    """A mixture-of-experts layer's experts, fused (transformers' experts forward, whose
+    ``experts_implementation="tigon"`` this is)::
+
+        y_t = Σ_j w_tj · (gate_fn(x_t W1_eᵀ + b1_e) W2_eᵀ + b2_e),   e = top_k_index[t, j]
+
+    Args:
+        hidden_states: ``x [T, H]``.
+        top_k_index: ``[T, k]`` int64/int32 expert ids in ``[0, E)``.
+        top_k_weights: ``[T, k]`` routing weights, any float dtype; their gradient is returned.
+        gate_up_proj: ``[E, 2I, H]`` (``[E, H, 2I]`` when ``transposed``), the gate and up
+            projections' columns concatenated ``[gate | up]`` or, with ``interleaved``, in pairs.
+        down_proj: ``[E, H, I]`` (``[E, I, H]`` when ``transposed``), of ``hidden_states``' dtype.
+        gate_up_bias, down_bias: optional ``[E, 2I]`` (same column order) and ``[E, H]``.
+        gate: ``"swiglu"`` (``silu(gate) · up``), ``"geglu"`` (tanh GELU) or ``"swiglu_clamped"``
+            (GPT-OSS's, with ``alpha`` and ``limit``: :func:`swiglu_clamped`).
+    Returns ``[T, H]`` in ``hidden_states``' dtype. Gradients reach ``hidden_states``, the routing
+    weights, the weights and the biases. Checking the expert ids costs one host sync, skipped
+    under torch.compile and CUDA graph capture.
+    """
+    check_choice("gate", gate, _moe.GATES)
+    _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                    transposed)
+    check_numbers(alpha=alpha, limit=limit)
+    if gate == "swiglu_clamped" and not limit > 0:
+        raise ValueError(f"limit must be a number > 0, got {limit!r}")
+    return _moe.MoEExpertsFunction.apply(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        gate, bool(transposed), bool(interleaved), float(alpha), float(limit),
+    )
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

@@ -198,6 +198,38 @@ def swiglu_clamped(gate_up, alpha=1.702, limit=7.0):
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias=None,
+                down_bias=None, gate="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+    """Transformers' eager experts loop (``use_experts_implementation``'s reference): each expert's
+    tokens through ``gate_up_proj``, the gate, ``down_proj``, scaled by their routing weight and
+    summed per token, in the inputs' dtype."""
+    w_gate_up = gate_up_proj if transposed else gate_up_proj.transpose(1, 2)  # [E, H, 2I]
+    w_down = down_proj if transposed else down_proj.transpose(1, 2)  # [E, I, H]
+    out = torch.zeros_like(hidden_states)
+    for expert in range(w_gate_up.shape[0]):
+        token, slot = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        gate_up = hidden_states[token] @ w_gate_up[expert]
+        if gate_up_bias is not None:
+            gate_up = gate_up + gate_up_bias[expert]
+        if gate == "swiglu_clamped":
+            h = swiglu_clamped(gate_up if interleaved else _interleave(gate_up), alpha, limit)
+        else:
+            g, u = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, dim=-1)
+            h = (swiglu if gate == "swiglu" else geglu)(g, u)
+        y = h @ w_down[expert]
+        if down_bias is not None:
+            y = y + down_bias[expert]
+        out.index_add_(0, token, y * top_k_weights[token, slot, None])
+    return out
+
+
+def _interleave(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
 def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, bias=None, x_adapter=None):
     """PEFT's ``lora.Linear`` forward: ``base(x) + lora_B(lora_A(x̃)) · scaling``, ``x̃`` the
     dropout of ``x`` (``x_adapter``) or ``x``, as PEFT computes it: the adapter in its weights'

@@ -1,0 +1,502 @@
+"""Mixture-of-experts experts: every token through its top-k experts' gated MLPs, weighted and summed.
+
+With ``x [T, H]``, each token ``t`` routed to ``k`` experts ``e_tj`` with weights ``w_tj``, and
+expert ``e``'s ``W1_e`` (``gate_up_proj``, ``2I`` outputs) and ``W2_e`` (``down_proj``)::
+
+    gate, up = split(x_t W1_eᵀ + b1_e)          one row r per (t, j): S = T·k rows
+    h_r      = act(gate) · up                   [S, I]
+    y_t      = Σ_j w_tj · (h_r W2_eᵀ + b2_e)    [T, H]
+
+Rows are sorted by expert once (the routing metadata: ``row_token``, per-expert ``expert_end`` and
+a tile schedule), and four Triton kernels do the work; none materialises a gathered copy of ``x``
+or ``dy`` (``[S, H]``):
+
+- ``moe_gate_up_kernel``: the grouped GEMM ``gate_up = x[row_token] W1ᵀ``, gathering its rows
+  straight from ``x``, with the gate in its epilogue; it writes ``h`` and the pre-activations
+  ``gate_up [S, 2I]`` (kept for backward: recomputing them would cost 2/9 of the step's FLOPs).
+- ``moe_scatter_kernel``: ``h W2ᵀ``, plus the bias, times the routing weight, added into the
+  token's fp32 output row (atomics: ``k`` rows land on each token). The backward's ``dx = Σ_r
+  d_gate_up_r W1_e`` is the same kernel.
+- ``moe_down_bwd_kernel``: ``g = dy[row_token] W2_e`` with the gate's backward in its epilogue::
+
+      dh_r     = w_r · g_r
+      d_gate_r = dh_r · up · act'(gate),   d_up_r = dh_r · act(gate)     (over gate_up, in place)
+      dw_r     = g_r · h_r (+ dy_t · b2_e)  since y_t's term is w_r · (h_r W2ᵀ + b2)
+
+  ``h`` is recomputed there from ``gate_up``.
+- ``moe_weight_grad_kernel``: per expert, ``dW = Σ_r aᵣᵀ bᵣ`` over the expert's rows: ``dW2 =
+  Σ (w_r dy_t)ᵀ h_r`` and ``dW1 = Σ d_gate_upᵣᵀ x_t``, gathering ``dy`` and ``x`` by token.
+
+Layouts, as transformers 5 stores experts (``use_experts_implementation``): ``gate_up_proj [E, 2I,
+H]`` and ``down_proj [E, H, I]``, or transposed (``[E, H, 2I]``, ``[E, I, H]``, GPT-OSS), with the
+``2I`` columns concatenated ``[gate | up]`` or interleaved ``[g0, u0, g1, u1, …]`` (GPT-OSS); all
+are read in place through strides, and ``gate_up [S, 2I]`` keeps the weight's column order. The
+gates: ``swiglu`` (SiLU), ``geglu`` (tanh GELU) and GPT-OSS's clamped SwiGLU.
+
+Dtypes: ``x`` and the weights share one float dtype; products accumulate in fp32 (IEEE fp32
+products for fp32 inputs, not TF32); the routing weights may be of any float dtype and their
+gradient is returned in it. Output and ``dx`` are summed in fp32 and rounded once. FLOPs per call
+(the roofline): ``6·S·H·I`` forward and ``12·S·H·I`` backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._launch import empty_tensor, interpreting, tigon_op
+from tigon.ops.gated import gate_activation, swiglu_clamped_grads, swiglu_clamped_math
+
+GATES = ("swiglu", "geglu", "swiglu_clamped")
+_ACTIVATION = {"swiglu": "silu", "geglu": "gelu_tanh", "swiglu_clamped": "clamped"}
+
+
+@triton.jit
+def _row_tile(tile_expert_ptr, tile_row_ptr, expert_end_ptr, row_token_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """This program's expert (−1 past the last tile), its rows (int64), their tokens and mask."""
+    expert = tl.load(tile_expert_ptr + pid_m)
+    row0 = tl.load(tile_row_ptr + pid_m).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < tl.load(expert_end_ptr + tl.maximum(expert, 0))
+    # A row past the expert's end reads token 0, a valid address; its results are masked on store.
+    tokens = tl.load(row_token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    return expert, rows, tokens, row_mask
+
+
+@triton.jit
+def _gate_math(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
+    if ACTIVATION == "clamped":
+        return swiglu_clamped_math(gate, up, alpha, limit)
+    act, _ = gate_activation(gate, ACTIVATION)
+    return act * up
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    X, W, BIAS, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, H_OUT,
+    n_in, n_inter, up_shift, pair_stride,
+    stride_x, stride_we, stride_wk, stride_wc, stride_be, stride_gu, stride_h,
+    alpha, limit,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Gate column n of the weight is c = n·pair_stride, up column n is c + up_shift: (1, I) for
+    # concatenated [gate | up], (2, 1) for interleaved pairs.
+    n_blocks = tl.cdiv(n_inter, BLOCK_N)
+    pid_m = tl.program_id(0) // n_blocks
+    expert, rows, tokens, row_mask = _row_tile(TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    cols = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_inter
+    gate_cols = cols * pair_stride
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
+    w_base = W + expert.to(tl.int64) * stride_we
+    wg_ptrs = w_base + ks[:, None] * stride_wk + gate_cols[None, :] * stride_wc
+    wu_ptrs = wg_ptrs + up_shift * stride_wc
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k_mask = ks < n_in - k0
+        a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        acc_gate = tl.dot(a, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b_ptrs = BIAS + expert * stride_be + gate_cols
+        acc_gate += tl.load(b_ptrs, mask=col_mask, other=0.0).to(tl.float32)
+        acc_up += tl.load(b_ptrs + up_shift, mask=col_mask, other=0.0).to(tl.float32)
+    mask = row_mask[:, None] & col_mask[None, :]
+    gu_ptrs = GATE_UP + rows[:, None] * stride_gu + gate_cols[None, :]
+    tl.store(gu_ptrs, acc_gate.to(GATE_UP.dtype.element_ty), mask=mask)
+    tl.store(gu_ptrs + up_shift, acc_up.to(GATE_UP.dtype.element_ty), mask=mask)
+    h = _gate_math(acc_gate, acc_up, ACTIVATION, alpha, limit)
+    tl.store(H_OUT + rows[:, None] * stride_h + cols[None, :], h.to(H_OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def moe_scatter_kernel(
+    A, W, BIAS, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, OUT,
+    n_in, n_out,
+    stride_a, stride_we, stride_wk, stride_wn, stride_be, stride_out,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # OUT[token] += scale_r · (A_r W_e + b_e) for the sorted rows r of this tile; OUT is fp32.
+    n_blocks = tl.cdiv(n_out, BLOCK_N)
+    pid_m = tl.program_id(0) // n_blocks
+    expert, rows, tokens, row_mask = _row_tile(TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    cols = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_out
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_a + ks[None, :]
+    w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k_mask = ks < n_in - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        acc *= tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
+    mask = row_mask[:, None] & col_mask[None, :]
+    tl.atomic_add(OUT + tokens[:, None] * stride_out + cols[None, :], acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def moe_down_bwd_kernel(
+    DY, W, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, D_SCALE,
+    n_hidden, n_inter, up_shift, pair_stride,
+    stride_dy, stride_we, stride_wk, stride_wn, stride_gu,
+    alpha, limit,
+    ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    n_blocks = tl.cdiv(n_inter, BLOCK_N)
+    pid_m = tl.program_id(0) // n_blocks
+    expert, rows, tokens, row_mask = _row_tile(TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, pid_m, BLOCK_M)
+    if expert < 0:
+        return
+    cols = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_inter
+    ks = tl.arange(0, BLOCK_K)
+    dy_ptrs = DY + tokens[:, None] * stride_dy + ks[None, :]
+    w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, n_hidden, BLOCK_K):
+        k_mask = ks < n_hidden - k0
+        dy = tl.load(dy_ptrs, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        g = tl.dot(dy, w, g, input_precision=PRECISION)
+        dy_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    mask = row_mask[:, None] & col_mask[None, :]
+    gate_ptrs = GATE_UP + rows[:, None] * stride_gu + (cols * pair_stride)[None, :]
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + up_shift, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)
+    dh = g * scale[:, None]
+    if ACTIVATION == "clamped":
+        d_gate, d_up, h = swiglu_clamped_grads(gate, up, dh, alpha, limit)
+    else:
+        act, act_grad = gate_activation(gate, ACTIVATION)
+        h = act * up
+        d_gate = dh * up * act_grad
+        d_up = dh * act
+    # Each program reads its own tile of gate_up before overwriting it with the gradient.
+    tl.store(gate_ptrs, d_gate.to(GATE_UP.dtype.element_ty), mask=mask)
+    tl.store(gate_ptrs + up_shift, d_up.to(GATE_UP.dtype.element_ty), mask=mask)
+    tl.atomic_add(D_SCALE + rows, tl.sum(tl.where(mask, g * h, 0.0), axis=1), mask=row_mask, sem="relaxed")
+
+
+@triton.jit
+def moe_weight_grad_kernel(
+    A, B, ROW_SCALE, ROW_TOKEN, EXPERT_END, DW,
+    n_out, n_in,
+    stride_a, stride_b, stride_de, stride_do, stride_di,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # DW_e[o, i] = Σ_r scale_r · A[r, o] · B[r, i] over expert e's rows r (read at their token
+    # when gathered); an expert without rows gets zeros.
+    o_blocks = tl.cdiv(n_out, BLOCK_O)
+    i_blocks = tl.cdiv(n_in, BLOCK_I)
+    pid = tl.program_id(0)
+    expert = pid // (o_blocks * i_blocks)
+    tile = pid % (o_blocks * i_blocks)
+    outs = (tile // i_blocks) * BLOCK_O + tl.arange(0, BLOCK_O)
+    ins = (tile % i_blocks) * BLOCK_I + tl.arange(0, BLOCK_I)
+    out_mask = outs < n_out
+    in_mask = ins < n_in
+    start = tl.load(EXPERT_END + expert - 1, mask=expert > 0, other=0).to(tl.int64)
+    end = tl.load(EXPERT_END + expert).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + ks
+        k_mask = rows < end
+        tokens = tl.load(ROW_TOKEN + rows, mask=k_mask, other=0).to(tl.int64)
+        a_rows = tokens if GATHER_A else rows
+        b_rows = tokens if GATHER_B else rows
+        a = tl.load(A + a_rows[:, None] * stride_a + outs[None, :], mask=k_mask[:, None] & out_mask[None, :], other=0.0)
+        if SCALE_A:
+            a = (a * tl.load(ROW_SCALE + rows, mask=k_mask, other=0.0)[:, None]).to(B.dtype.element_ty)
+        b = tl.load(B + b_rows[:, None] * stride_b + ins[None, :], mask=k_mask[:, None] & in_mask[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    dw_ptrs = DW + expert.to(tl.int64) * stride_de + outs[:, None] * stride_do + ins[None, :] * stride_di
+    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=out_mask[:, None] & in_mask[None, :])
+
+
+# Tiles (BLOCK_M is shared by every row kernel: the tile schedule is built for it once per call).
+# Chosen on the H100 at Qwen3-30B-A3B's shapes (benchmarks/tune_moe.py); the interpreter takes
+# the smallest tiles tl.dot accepts, so that CPU tests cross several tiles and experts.
+_GPU_TILES = {
+    "block_m": 128,
+    "gate_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
+    "scatter": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "down_bwd": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=3),
+}
+_INTERPRETER_TILES = {
+    "block_m": 16,
+    "gate_up": dict(BLOCK_N=16, BLOCK_K=16),
+    "scatter": dict(BLOCK_N=16, BLOCK_K=16),
+    "down_bwd": dict(BLOCK_N=16, BLOCK_K=16),
+    "weight_grad": dict(BLOCK_O=16, BLOCK_I=16, BLOCK_K=16),
+}
+
+
+def _tiles() -> dict:
+    return _INTERPRETER_TILES if interpreting() else _GPU_TILES
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """The routing metadata of ``top_k_index [T, k]`` (expert ids in ``[0, n_experts)``), without a
+    host sync: ``(order, row_token, expert_end, tile_expert, tile_row)``.
+
+    Row ``r`` of the expert-sorted order is pair ``order[r]`` (``t·k + j``) of token ``row_token[r]``;
+    expert ``e``'s rows end at ``expert_end[e]``. Tile ``i`` of ``block_m`` rows belongs to expert
+    ``tile_expert[i]`` (−1 past the last) and starts at row ``tile_row[i]``; the schedule is sized
+    for the most tiles any routing can need, ``⌈S / block_m⌉ + min(E, S)``.
+    """
+    n_tokens, top_k = top_k_index.shape
+    device = top_k_index.device
+    flat = top_k_index.reshape(-1).long()
+    n_rows = flat.numel()
+    _, order = torch.sort(flat, stable=True)
+    row_token = torch.div(order, top_k, rounding_mode="floor").int()
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    expert_end = counts.cumsum(0)
+    tiles = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
+    tile_end = tiles.cumsum(0)
+    max_tiles = triton.cdiv(n_rows, block_m) + min(n_experts, n_rows)
+    tile = torch.arange(max_tiles, device=device)
+    tile_expert = torch.searchsorted(tile_end, tile, right=True)
+    expert = tile_expert.clamp(max=n_experts - 1)
+    tile_row = (expert_end - counts)[expert] + (tile - (tile_end - tiles)[expert]) * block_m
+    tile_expert = torch.where(tile_expert < n_experts, tile_expert, -1)
+    return order, row_token, expert_end.int(), tile_expert.int(), tile_row.int()
+
+
+class _Layout:
+    """Strides of the experts' weights as the kernels read them (see the module docstring)."""
+
+    def __init__(self, gate_up_proj, down_proj, transposed, interleaved):
+        n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+        gate_up_in, gate_up_cols = (1, 2) if transposed else (2, 1)  # the dims of H and of 2I
+        down_in, down_out = (1, 2) if transposed else (2, 1)  # the dims of I and of H
+        self.n_inter = n_inter
+        self.up_shift, self.pair_stride = (1, 2) if interleaved else (n_inter, 1)
+        # gate_up_proj as [E, H (k), 2I (c)] and its transpose [E, 2I (k), H (n)]
+        self.gate_up_kc = (gate_up_proj.stride(0), gate_up_proj.stride(gate_up_in), gate_up_proj.stride(gate_up_cols))
+        self.gate_up_cn = (gate_up_proj.stride(0), gate_up_proj.stride(gate_up_cols), gate_up_proj.stride(gate_up_in))
+        # down_proj as [E, I (k), H (n)] and its transpose [E, H (k), I (n)]
+        self.down_in_out = (down_proj.stride(0), down_proj.stride(down_in), down_proj.stride(down_out))
+        self.down_out_in = (down_proj.stride(0), down_proj.stride(down_out), down_proj.stride(down_in))
+
+
+def _row_grid(tile_expert: torch.Tensor, n_cols: int, block_n: int) -> tuple[int]:
+    return (tile_expert.numel() * triton.cdiv(n_cols, block_n),)
+
+
+def _moe_forward(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, meta, layout, gate, alpha, limit):
+    """``(y [T, H] in x's dtype, gate_up [S, 2I], h [S, I])`` of the experts' forward."""
+    _, row_token, expert_end, tile_expert, tile_row = meta
+    tiles = _tiles()
+    n_tokens, n_hidden = x.shape
+    n_rows, n_inter = row_token.numel(), layout.n_inter
+    precision = _precision(x.dtype)
+    gate_up = x.new_empty((n_rows, 2 * n_inter))
+    h = x.new_empty((n_rows, n_inter))
+    config = tiles["gate_up"]
+    moe_gate_up_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
+        x, gate_up_proj, gate_up_bias if gate_up_bias is not None else empty_tensor(x.device),
+        row_token, tile_expert, tile_row, expert_end, gate_up, h,
+        n_hidden, n_inter, layout.up_shift, layout.pair_stride,
+        x.stride(0), *layout.gate_up_kc, gate_up_bias.stride(0) if gate_up_bias is not None else 0,
+        gate_up.stride(0), h.stride(0),
+        alpha, limit,
+        ACTIVATION=_ACTIVATION[gate], HAS_BIAS=gate_up_bias is not None, PRECISION=precision,
+        BLOCK_M=tiles["block_m"], **config,
+    )
+    out = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=x.device)
+    _scatter(h, down_proj, layout.down_in_out, down_bias, row_weight, meta, out, n_inter)
+    return out.to(x.dtype), gate_up, h
+
+
+def _scatter(a, weight, weight_strides, bias, row_scale, meta, out, n_in):
+    """``out[row_token] += row_scale · (a W_e + b_e)`` (``out`` fp32 ``[T, n_out]``)."""
+    _, row_token, expert_end, tile_expert, tile_row = meta
+    tiles = _tiles()
+    config = tiles["scatter"]
+    n_out = out.shape[1]
+    absent = empty_tensor(a.device)
+    moe_scatter_kernel[_row_grid(tile_expert, n_out, config["BLOCK_N"])](
+        a, weight, bias if bias is not None else absent, row_scale if row_scale is not None else absent,
+        row_token, tile_expert, tile_row, expert_end, out,
+        n_in, n_out,
+        a.stride(0), *weight_strides, bias.stride(0) if bias is not None else 0, out.stride(0),
+        HAS_BIAS=bias is not None, HAS_SCALE=row_scale is not None, PRECISION=_precision(a.dtype),
+        BLOCK_M=tiles["block_m"], **config,
+    )
+
+
+def _weight_grad(a, b, row_scale, gather_a, gather_b, meta, dw_shape_strides, n_out, n_in):
+    """``dW_e[o, i] = Σ_r scale_r · a[r, o] · b[r, i]`` over each expert's rows, into a new tensor of
+    ``dw_shape_strides = (like, dim of o, dim of i)``: the weight whose gradient this is."""
+    _, row_token, expert_end, _, _ = meta
+    like, o_dim, i_dim = dw_shape_strides
+    dw = torch.empty_like(like, memory_format=torch.contiguous_format)
+    config = _tiles()["weight_grad"]
+    grid = (like.shape[0] * triton.cdiv(n_out, config["BLOCK_O"]) * triton.cdiv(n_in, config["BLOCK_I"]),)
+    moe_weight_grad_kernel[grid](
+        a, b, row_scale if row_scale is not None else empty_tensor(a.device), row_token, expert_end, dw,
+        n_out, n_in,
+        a.stride(0), b.stride(0), dw.stride(0), dw.stride(o_dim), dw.stride(i_dim),
+        GATHER_A=gather_a, SCALE_A=row_scale is not None, GATHER_B=gather_b, PRECISION=_precision(a.dtype),
+        **config,
+    )
+    return dw
+
+
+def _moe_fwd_fake(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, row_token, expert_end,
+                  tile_expert, tile_row, gate, transposed, interleaved, alpha, limit):
+    n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
+    n_rows = row_token.shape[0]
+    return x.new_empty(x.shape), x.new_empty((n_rows, 2 * n_inter)), x.new_empty((n_rows, n_inter))
+
+
+@tigon_op("moe_fwd", fake=_moe_fwd_fake)
+def moe_fwd(
+    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None, row_weight: torch.Tensor, row_token: torch.Tensor, expert_end: torch.Tensor,
+    tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool, interleaved: bool,
+    alpha: float, limit: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` through the experts → ``(y [T, H], gate_up [S, 2I], h [S, I])``; the routing is
+    :func:`routing`'s, ``row_weight [S]`` fp32 the routing weight of each sorted row."""
+    layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
+    meta = (None, row_token, expert_end, tile_expert, tile_row)
+    return _moe_forward(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, meta, layout, gate, alpha, limit)
+
+
+def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, h, row_weight, row_token, expert_end, tile_expert,
+                  tile_row, gate, transposed, interleaved, alpha, limit, needs_dx, needs_d_gate_up, needs_d_down):
+    def grad(like, needed):
+        return like.new_empty(like.shape if needed else (0,))
+
+    return (grad(x, needs_dx), grad(gate_up_proj, needs_d_gate_up), grad(down_proj, needs_d_down),
+            row_weight.new_empty(row_weight.shape))
+
+
+@tigon_op("moe_bwd", fake=_moe_bwd_fake, mutates_args=("gate_up",))
+def moe_bwd(
+    dy: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up: torch.Tensor,
+    h: torch.Tensor, row_weight: torch.Tensor, row_token: torch.Tensor, expert_end: torch.Tensor,
+    tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool, interleaved: bool,
+    alpha: float, limit: float, needs_dx: bool, needs_d_gate_up: bool, needs_d_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, d_gate_up_proj, d_down_proj, d_row_weight)`` for ``dy [T, H]``; a gradient not asked
+    for is an empty tensor. ``gate_up`` is overwritten with its gradient. ``d_row_weight [S]`` fp32
+    leaves out the down bias's term ``dy_t · b2_e``."""
+    layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
+    meta = (None, row_token, expert_end, tile_expert, tile_row)
+    tiles = _tiles()
+    n_tokens, n_hidden = dy.shape
+    n_inter = layout.n_inter
+    precision = _precision(dy.dtype)
+    d_row_weight = torch.zeros_like(row_weight)
+    config = tiles["down_bwd"]
+    moe_down_bwd_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
+        dy, down_proj, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, d_row_weight,
+        n_hidden, n_inter, layout.up_shift, layout.pair_stride,
+        dy.stride(0), *layout.down_out_in, gate_up.stride(0),
+        alpha, limit,
+        ACTIVATION=_ACTIVATION[gate], PRECISION=precision, BLOCK_M=tiles["block_m"], **config,
+    )
+    none = dy.new_empty((0,))
+    o_i = (2, 1) if transposed else (1, 2)
+    d_down = none
+    if needs_d_down:
+        d_down = _weight_grad(dy, h, row_weight, True, False, meta, (down_proj, *o_i), n_hidden, n_inter)
+    dx = none
+    if needs_dx:
+        dx32 = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=dy.device)
+        _scatter(gate_up, gate_up_proj, layout.gate_up_cn, None, None, meta, dx32, 2 * n_inter)
+        dx = dx32.to(x.dtype)
+    d_gate_up = none
+    if needs_d_gate_up:
+        d_gate_up = _weight_grad(gate_up, x, None, False, True, meta, (gate_up_proj, *o_i), 2 * n_inter, n_hidden)
+    return dx, d_gate_up, d_down, d_row_weight
+
+
+class MoEExpertsFunction(torch.autograd.Function):
+    """The experts of a MoE layer (module docstring); arguments as :func:`tigon.functional.moe_experts`."""
+
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                gate, transposed, interleaved, alpha, limit):
+        n_experts = gate_up_proj.shape[0]
+        meta = routing(top_k_index, n_experts, _tiles()["block_m"])
+        order = meta[0]
+        row_weight = top_k_weights.reshape(-1)[order].float()
+        y, gate_up, h = moe_fwd(
+            x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, *meta[1:],
+            gate, transposed, interleaved, alpha, limit,
+        )
+        ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                              gate_up, h, row_weight, *meta)
+        ctx.options = (gate, transposed, interleaved, alpha, limit)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up, h, row_weight,
+         order, *meta) = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx, d_gate_up_proj, d_down_proj, d_row_weight = moe_bwd(
+            dy.contiguous(), x, gate_up_proj, down_proj, gate_up, h, row_weight, *meta, *ctx.options,
+            needs[0], needs[3], needs[4],
+        )
+        d_weights = None
+        if needs[2]:
+            d_pairs = torch.empty_like(d_row_weight)
+            d_pairs[order] = d_row_weight
+            d_weights = d_pairs.view(top_k_weights.shape)
+            if down_bias is not None:
+                # y_t's term w_tj · b2_e: its weight's gradient gains dy_t · b2_e.
+                d_weights = d_weights + (dy.float() @ down_bias.float().T).gather(1, top_k_index.long())
+            d_weights = d_weights.to(top_k_weights.dtype)
+        d_gate_up_bias = d_down_bias = None
+        if gate_up_bias is not None and needs[5]:
+            # Σ over each expert's rows of d_gate_up (now in gate_up): one matmul with the rows'
+            # one-hot expert matrix [E, S].
+            row_expert = top_k_index.reshape(-1)[order]
+            one_hot = (row_expert[None, :] == torch.arange(gate_up_bias.shape[0], device=dy.device)[:, None])
+            d_gate_up_bias = (one_hot.to(gate_up.dtype) @ gate_up).to(gate_up_bias.dtype)
+        if down_bias is not None and needs[6]:
+            # Σ over token t and slot j routed to e of w_tj · dy_t: the routing weights as a dense
+            # [T, E] matrix, transposed, times dy.
+            routed = torch.zeros((dy.shape[0], down_bias.shape[0]), dtype=torch.float32, device=dy.device)
+            routed.scatter_add_(1, top_k_index.long(), top_k_weights.float())
+            d_down_bias = (routed.T @ dy.float()).to(down_bias.dtype)
+        return (
+            dx if needs[0] else None, None, d_weights,
+            d_gate_up_proj if needs[3] else None, d_down_proj if needs[4] else None,
+            d_gate_up_bias, d_down_bias, None, None, None, None, None,
+        )
