@@ -555,11 +555,10 @@ def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     check_tensor("down_proj", down_proj, dim=3)
     n_tokens, n_hidden = hidden_states.shape
     n_experts = gate_up_proj.shape[0]
-    n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
-    layout = "transposed " if transposed else ""
+    n_inter = (gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]) // 2
     if transposed:
-        check_shape("gate_up_proj", gate_up_proj, (n_experts, n_hidden, 2 * n_inter), f"{layout}[E, H, 2I]")
-        check_shape("down_proj", down_proj, (n_experts, n_inter, n_hidden), f"{layout}[E, I, H]")
+        check_shape("gate_up_proj", gate_up_proj, (n_experts, n_hidden, 2 * n_inter), "transposed [E, H, 2I]")
+        check_shape("down_proj", down_proj, (n_experts, n_inter, n_hidden), "transposed [E, I, H]")
     else:
         check_shape("gate_up_proj", gate_up_proj, (n_experts, 2 * n_inter, n_hidden), "[E, 2I, H]")
         check_shape("down_proj", down_proj, (n_experts, n_hidden, n_inter), "[E, H, I]")
@@ -575,15 +574,36 @@ def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
                      gate_up_bias=gate_up_bias, down_bias=down_bias)
     check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
                       gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias)
-    capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-    if top_k_index.numel() and not (torch.compiler.is_compiling() or capturing):
-        # One host sync; skipped where none is allowed (torch.compile, CUDA graph capture).
-        low, high = (int(v) for v in torch.aminmax(top_k_index))
-        if low < 0 or high >= n_experts:
-            raise ValueError(
-                f"top_k_index must hold expert ids in [0, {n_experts}) (gate_up_proj has {n_experts} experts), "
-                f"got ids from {low} to {high}"
-            )
+
+
+def _expert_id_bounds(top_k_index):
+    """The lowest and highest expert id, copied to the host without waiting, and the CUDA event
+    after which they are there; ``None`` where no host sync is allowed (torch.compile, CUDA graph
+    capture). Waiting on the event after the experts' kernels are queued keeps the GPU busy while
+    the host waits (those kernels read only valid memory whatever the ids)."""
+    capturing = top_k_index.is_cuda and torch.cuda.is_current_stream_capturing()
+    if top_k_index.numel() == 0 or torch.compiler.is_compiling() or capturing:
+        return None
+    bounds = torch.stack(torch.aminmax(top_k_index)).to("cpu", non_blocking=True)
+    event = None
+    if top_k_index.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return bounds, event
+
+
+def _check_expert_ids(bounds, n_experts):
+    if bounds is None:
+        return
+    values, event = bounds
+    if event is not None:
+        event.synchronize()
+    low, high = values.tolist()
+    if low < 0 or high >= n_experts:
+        raise ValueError(
+            f"top_k_index must hold expert ids in [0, {n_experts}) (gate_up_proj has {n_experts} experts), "
+            f"got ids from {low} to {high}"
+        )
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, gate_up_bias=None,
@@ -604,8 +624,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         gate: ``"swiglu"`` (``silu(gate) · up``), ``"geglu"`` (tanh GELU) or ``"swiglu_clamped"``
             (GPT-OSS's, with ``alpha`` and ``limit``: :func:`swiglu_clamped`).
     Returns ``[T, H]`` in ``hidden_states``' dtype. Gradients reach ``hidden_states``, the routing
-    weights, the weights and the biases. Checking the expert ids costs one host sync, skipped
-    under torch.compile and CUDA graph capture.
+    weights, the weights and the biases. The expert ids are checked on the host with a wait taken
+    once the kernels are queued (the GPU stays busy), skipped under torch.compile and CUDA graphs.
     """
     check_choice("gate", gate, _moe.GATES)
     _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
@@ -613,10 +633,13 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     check_numbers(alpha=alpha, limit=limit)
     if gate == "swiglu_clamped" and not limit > 0:
         raise ValueError(f"limit must be a number > 0, got {limit!r}")
-    return _moe.MoEExpertsFunction.apply(
+    bounds = _expert_id_bounds(top_k_index)
+    out = _moe.MoEExpertsFunction.apply(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         gate, bool(transposed), bool(interleaved), float(alpha), float(limit),
     )
+    _check_expert_ids(bounds, gate_up_proj.shape[0])
+    return out
 
 
 def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):

@@ -7,16 +7,21 @@ expert ``e``'s ``W1_e`` (``gate_up_proj``, ``2I`` outputs) and ``W2_e`` (``down_
     h_r      = act(gate) · up                   [S, I]
     y_t      = Σ_j w_tj · (h_r W2_eᵀ + b2_e)    [T, H]
 
+computed as ``y_t = Σ_j (wh_r W2_eᵀ + w_r b2_e)`` with the weighted ``wh_r = w_r h_r``, so that the
+down projection's weight gradient needs no weighting in its inner loop.
+
 Rows are sorted by expert once (the routing metadata: ``row_token``, per-expert ``expert_end`` and
 a tile schedule), and four Triton kernels do the work; none materialises a gathered copy of ``x``
 or ``dy`` (``[S, H]``):
 
 - ``moe_gate_up_kernel``: the grouped GEMM ``gate_up = x[row_token] W1ᵀ``, gathering its rows
-  straight from ``x``, with the gate in its epilogue; it writes ``h`` and the pre-activations
-  ``gate_up [S, 2I]`` (kept for backward: recomputing them would cost 2/9 of the step's FLOPs).
-- ``moe_scatter_kernel``: ``h W2ᵀ``, plus the bias, times the routing weight, added into the
-  token's fp32 output row (atomics: ``k`` rows land on each token). The backward's ``dx = Σ_r
-  d_gate_up_r W1_e`` is the same kernel.
+  straight from ``x``, with the gate and the routing weight in its epilogue; it writes ``wh [S, I]``
+  and the pre-activations ``gate_up [S, 2I]`` (kept for backward: recomputing them would cost 2/9
+  of the step's FLOPs).
+- ``moe_scatter_kernel``: ``wh W2ᵀ`` plus the weighted bias, stored at the row's (t, j) and summed
+  over j by one deterministic reduction. The backward's ``dx_t = Σ_j d_gate_up_r W1_e`` is the same
+  kernel adding into the token's fp32 row (atomics: an ``[S, H]`` buffer would cost 0.5 GiB at
+  Qwen3-30B-A3B's shapes).
 - ``moe_down_bwd_kernel``: ``g = dy[row_token] W2_e`` with the gate's backward in its epilogue::
 
       dh_r     = w_r · g_r
@@ -25,7 +30,7 @@ or ``dy`` (``[S, H]``):
 
   ``h`` is recomputed there from ``gate_up``.
 - ``moe_weight_grad_kernel``: per expert, ``dW = Σ_r aᵣᵀ bᵣ`` over the expert's rows: ``dW2 =
-  Σ (w_r dy_t)ᵀ h_r`` and ``dW1 = Σ d_gate_upᵣᵀ x_t``, gathering ``dy`` and ``x`` by token.
+  Σ dy_tᵀ wh_r`` and ``dW1 = Σ d_gate_upᵣᵀ x_t``, gathering ``dy`` and ``x`` by token.
 
 Layouts, as transformers 5 stores experts (``use_experts_implementation``): ``gate_up_proj [E, 2I,
 H]`` and ``down_proj [E, H, I]``, or transposed (``[E, H, 2I]``, ``[E, I, H]``, GPT-OSS), with the
@@ -35,7 +40,7 @@ gates: ``swiglu`` (SiLU), ``geglu`` (tanh GELU) and GPT-OSS's clamped SwiGLU.
 
 Dtypes: ``x`` and the weights share one float dtype; products accumulate in fp32 (IEEE fp32
 products for fp32 inputs, not TF32); the routing weights may be of any float dtype and their
-gradient is returned in it. Output and ``dx`` are summed in fp32 and rounded once. FLOPs per call
+gradient is returned in it. A token's ``k`` rows, and ``dx``, are summed in fp32 and rounded once. FLOPs per call
 (the roofline): ``6·S·H·I`` forward and ``12·S·H·I`` backward.
 """
 
@@ -74,9 +79,9 @@ def _gate_math(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
 
 @triton.jit
 def moe_gate_up_kernel(
-    X, W, BIAS, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, H_OUT,
+    X, W, BIAS, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, WH,
     n_in, n_inter, up_shift, pair_stride,
-    stride_x, stride_we, stride_wk, stride_wc, stride_be, stride_gu, stride_h,
+    stride_x, stride_we, stride_wk, stride_wc, stride_be, stride_gu, stride_wh,
     alpha, limit,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -115,19 +120,20 @@ def moe_gate_up_kernel(
     gu_ptrs = GATE_UP + rows[:, None] * stride_gu + gate_cols[None, :]
     tl.store(gu_ptrs, acc_gate.to(GATE_UP.dtype.element_ty), mask=mask)
     tl.store(gu_ptrs + up_shift, acc_up.to(GATE_UP.dtype.element_ty), mask=mask)
-    h = _gate_math(acc_gate, acc_up, ACTIVATION, alpha, limit)
-    tl.store(H_OUT + rows[:, None] * stride_h + cols[None, :], h.to(H_OUT.dtype.element_ty), mask=mask)
+    wh = _gate_math(acc_gate, acc_up, ACTIVATION, alpha, limit) * tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
+    tl.store(WH + rows[:, None] * stride_wh + cols[None, :], wh.to(WH.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def moe_scatter_kernel(
-    A, W, BIAS, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, OUT,
+    A, W, BIAS, ROW_SCALE, ROW_TOKEN, ROW_PAIR, TILE_EXPERT, TILE_ROW, EXPERT_END, OUT,
     n_in, n_out,
     stride_a, stride_we, stride_wk, stride_wn, stride_be, stride_out,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # OUT[token] += scale_r · (A_r W_e + b_e) for the sorted rows r of this tile; OUT is fp32.
+    # A_r W_e (+ scale_r · b_e) for the sorted rows r of this tile, added into the fp32 row of its
+    # token (ATOMIC) or stored as row pair[r] = t·k + j of OUT [S, n_out], summed over j after.
     n_blocks = tl.cdiv(n_out, BLOCK_N)
     pid_m = tl.program_id(0) // n_blocks
     expert, rows, tokens, row_mask = _row_tile(TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, pid_m, BLOCK_M)
@@ -147,11 +153,14 @@ def moe_scatter_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
-        acc += tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SCALE:
-        acc *= tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
+        bias = tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)
+        acc += tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None] * bias[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    tl.atomic_add(OUT + tokens[:, None] * stride_out + cols[None, :], acc, mask=mask, sem="relaxed")
+    if ATOMIC:
+        tl.atomic_add(OUT + tokens[:, None] * stride_out + cols[None, :], acc, mask=mask, sem="relaxed")
+    else:
+        pairs = tl.load(ROW_PAIR + rows, mask=row_mask, other=0).to(tl.int64)
+        tl.store(OUT + pairs[:, None] * stride_out + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -202,13 +211,13 @@ def moe_down_bwd_kernel(
 
 @triton.jit
 def moe_weight_grad_kernel(
-    A, B, ROW_SCALE, ROW_TOKEN, EXPERT_END, DW,
+    A, B, ROW_TOKEN, EXPERT_END, DW,
     n_out, n_in,
     stride_a, stride_b, stride_de, stride_do, stride_di,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PRECISION: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # DW_e[o, i] = Σ_r scale_r · A[r, o] · B[r, i] over expert e's rows r (read at their token
+    # DW_e[o, i] = Σ_r A[r, o] · B[r, i] over expert e's rows r (read at their token
     # when gathered); an expert without rows gets zeros.
     o_blocks = tl.cdiv(n_out, BLOCK_O)
     i_blocks = tl.cdiv(n_in, BLOCK_I)
@@ -230,28 +239,52 @@ def moe_weight_grad_kernel(
         a_rows = tokens if GATHER_A else rows
         b_rows = tokens if GATHER_B else rows
         a = tl.load(A + a_rows[:, None] * stride_a + outs[None, :], mask=k_mask[:, None] & out_mask[None, :], other=0.0)
-        if SCALE_A:
-            a = (a * tl.load(ROW_SCALE + rows, mask=k_mask, other=0.0)[:, None]).to(B.dtype.element_ty)
         b = tl.load(B + b_rows[:, None] * stride_b + ins[None, :], mask=k_mask[:, None] & in_mask[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     dw_ptrs = DW + expert.to(tl.int64) * stride_de + outs[:, None] * stride_do + ins[None, :] * stride_di
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=out_mask[:, None] & in_mask[None, :])
 
 
+
+@triton.jit
+def moe_schedule_kernel(
+    EXPERT_END, TILE_EXPERT, TILE_ROW, n_experts, n_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    # Expert e's rows [start_e, end_e) make ⌈count_e / BLOCK_M⌉ tiles, numbered in expert order;
+    # tile t belongs to the expert whose tiles span it (−1 past the last). Each program places
+    # BLOCK_T tiles (every one recounts the experts' tiles: E is small).
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < n_experts
+    end = tl.load(EXPERT_END + experts, mask=valid, other=0)
+    start = tl.load(EXPERT_END + experts - 1, mask=valid & (experts > 0), other=0)
+    tiles = tl.where(valid, tl.cdiv(end - start, BLOCK_M), 0)
+    tile_end = tl.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    tile = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+    owner = experts[None, :] == expert[:, None]
+    row = tl.sum(tl.where(owner, start[None, :], 0), axis=1)
+    first = tl.sum(tl.where(owner, tile_start[None, :], 0), axis=1)
+    tl.store(TILE_EXPERT + tile, tl.where(expert < n_experts, expert, -1), mask=tile < n_tiles)
+    tl.store(TILE_ROW + tile, row + (tile - first) * BLOCK_M, mask=tile < n_tiles)
+
 # Tiles (BLOCK_M is shared by every row kernel: the tile schedule is built for it once per call).
 # Chosen on the H100 at Qwen3-30B-A3B's shapes (benchmarks/tune_moe.py); the interpreter takes
 # the smallest tiles tl.dot accepts, so that CPU tests cross several tiles and experts.
 _GPU_TILES = {
     "block_m": 128,
-    "gate_up": dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4),
-    "scatter": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    "down_bwd": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "gate_up": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "down": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    "dx": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    "down_bwd": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
 }
 _INTERPRETER_TILES = {
     "block_m": 16,
     "gate_up": dict(BLOCK_N=16, BLOCK_K=16),
-    "scatter": dict(BLOCK_N=16, BLOCK_K=16),
+    "down": dict(BLOCK_N=16, BLOCK_K=16),
+    "dx": dict(BLOCK_N=16, BLOCK_K=16),
     "down_bwd": dict(BLOCK_N=16, BLOCK_K=16),
     "weight_grad": dict(BLOCK_O=16, BLOCK_I=16, BLOCK_K=16),
 }
@@ -267,30 +300,29 @@ def _precision(dtype: torch.dtype) -> str:
 
 def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """The routing metadata of ``top_k_index [T, k]`` (expert ids in ``[0, n_experts)``), without a
-    host sync: ``(order, row_token, expert_end, tile_expert, tile_row)``.
+    host sync: ``(order, row_token, expert_end, tile_expert, tile_row)``, all int32.
 
     Row ``r`` of the expert-sorted order is pair ``order[r]`` (``t·k + j``) of token ``row_token[r]``;
     expert ``e``'s rows end at ``expert_end[e]``. Tile ``i`` of ``block_m`` rows belongs to expert
     ``tile_expert[i]`` (−1 past the last) and starts at row ``tile_row[i]``; the schedule is sized
     for the most tiles any routing can need, ``⌈S / block_m⌉ + min(E, S)``.
     """
-    n_tokens, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     device = top_k_index.device
-    flat = top_k_index.reshape(-1).long()
-    n_rows = flat.numel()
-    _, order = torch.sort(flat, stable=True)
-    row_token = torch.div(order, top_k, rounding_mode="floor").int()
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    expert_end = counts.cumsum(0)
-    tiles = torch.div(counts + block_m - 1, block_m, rounding_mode="floor")
-    tile_end = tiles.cumsum(0)
-    max_tiles = triton.cdiv(n_rows, block_m) + min(n_experts, n_rows)
-    tile = torch.arange(max_tiles, device=device)
-    tile_expert = torch.searchsorted(tile_end, tile, right=True)
-    expert = tile_expert.clamp(max=n_experts - 1)
-    tile_row = (expert_end - counts)[expert] + (tile - (tile_end - tiles)[expert]) * block_m
-    tile_expert = torch.where(tile_expert < n_experts, tile_expert, -1)
-    return order, row_token, expert_end.int(), tile_expert.int(), tile_row.int()
+    sorted_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    n_rows = order.numel()
+    expert_ids = torch.arange(n_experts, device=device, dtype=sorted_ids.dtype)
+    expert_end = torch.searchsorted(sorted_ids, expert_ids, right=True, out_int32=True)
+    n_tiles = triton.cdiv(n_rows, block_m) + min(n_experts, n_rows)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=device)
+    tile_row = torch.empty(n_tiles, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(n_experts)
+    block_t = max(16, 4096 // block_e)
+    moe_schedule_kernel[(triton.cdiv(n_tiles, block_t),)](
+        expert_end, tile_expert, tile_row, n_experts, n_tiles, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=block_t,
+    )
+    order = order.int()
+    return order, torch.div(order, top_k, rounding_mode="floor"), expert_end, tile_expert, tile_row
 
 
 class _Layout:
@@ -314,67 +346,47 @@ def _row_grid(tile_expert: torch.Tensor, n_cols: int, block_n: int) -> tuple[int
     return (tile_expert.numel() * triton.cdiv(n_cols, block_n),)
 
 
-def _moe_forward(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, meta, layout, gate, alpha, limit):
-    """``(y [T, H] in x's dtype, gate_up [S, 2I], h [S, I])`` of the experts' forward."""
-    _, row_token, expert_end, tile_expert, tile_row = meta
-    tiles = _tiles()
-    n_tokens, n_hidden = x.shape
-    n_rows, n_inter = row_token.numel(), layout.n_inter
-    precision = _precision(x.dtype)
-    gate_up = x.new_empty((n_rows, 2 * n_inter))
-    h = x.new_empty((n_rows, n_inter))
-    config = tiles["gate_up"]
-    moe_gate_up_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
-        x, gate_up_proj, gate_up_bias if gate_up_bias is not None else empty_tensor(x.device),
-        row_token, tile_expert, tile_row, expert_end, gate_up, h,
-        n_hidden, n_inter, layout.up_shift, layout.pair_stride,
-        x.stride(0), *layout.gate_up_kc, gate_up_bias.stride(0) if gate_up_bias is not None else 0,
-        gate_up.stride(0), h.stride(0),
-        alpha, limit,
-        ACTIVATION=_ACTIVATION[gate], HAS_BIAS=gate_up_bias is not None, PRECISION=precision,
-        BLOCK_M=tiles["block_m"], **config,
-    )
-    out = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=x.device)
-    _scatter(h, down_proj, layout.down_in_out, down_bias, row_weight, meta, out, n_inter)
-    return out.to(x.dtype), gate_up, h
+def _optional(tensor: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A possibly absent tensor as the kernels take it, with its row stride."""
+    return (empty_tensor(device), 0) if tensor is None else (tensor, tensor.stride(0))
 
 
-def _scatter(a, weight, weight_strides, bias, row_scale, meta, out, n_in):
-    """``out[row_token] += row_scale · (a W_e + b_e)`` (``out`` fp32 ``[T, n_out]``)."""
-    _, row_token, expert_end, tile_expert, tile_row = meta
+def _scatter(kind, a, weight, weight_strides, bias, row_scale, meta, out, n_in):
+    """``a_r W_e + scale_r · b_e`` per sorted row ``r``: added into ``out [T, n_out]`` (fp32) at the
+    row's token for ``kind="dx"``, stored into ``out [S, n_out]`` at the row's pair for ``"down"``."""
+    order, row_token, expert_end, tile_expert, tile_row = meta
     tiles = _tiles()
-    config = tiles["scatter"]
+    config = tiles[kind]
     n_out = out.shape[1]
-    absent = empty_tensor(a.device)
+    bias, stride_bias = _optional(bias, a.device)
     moe_scatter_kernel[_row_grid(tile_expert, n_out, config["BLOCK_N"])](
-        a, weight, bias if bias is not None else absent, row_scale if row_scale is not None else absent,
-        row_token, tile_expert, tile_row, expert_end, out,
+        a, weight, bias, _optional(row_scale, a.device)[0], row_token, order, tile_expert, tile_row, expert_end, out,
         n_in, n_out,
-        a.stride(0), *weight_strides, bias.stride(0) if bias is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, HAS_SCALE=row_scale is not None, PRECISION=_precision(a.dtype),
+        a.stride(0), *weight_strides, stride_bias, out.stride(0),
+        ATOMIC=kind == "dx", HAS_BIAS=stride_bias != 0, PRECISION=_precision(a.dtype),
         BLOCK_M=tiles["block_m"], **config,
     )
 
 
-def _weight_grad(a, b, row_scale, gather_a, gather_b, meta, dw_shape_strides, n_out, n_in):
-    """``dW_e[o, i] = Σ_r scale_r · a[r, o] · b[r, i]`` over each expert's rows, into a new tensor of
-    ``dw_shape_strides = (like, dim of o, dim of i)``: the weight whose gradient this is."""
+def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in):
+    """``dW_e[o, i] = Σ_r a[r, o] · b[r, i]`` over each expert's rows, as a new tensor
+    shaped as the weight ``like`` (``o`` its dim 1, ``i`` its dim 2; the reverse when transposed)."""
     _, row_token, expert_end, _, _ = meta
-    like, o_dim, i_dim = dw_shape_strides
-    dw = torch.empty_like(like, memory_format=torch.contiguous_format)
+    dw = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    o_dim, i_dim = (2, 1) if transposed else (1, 2)
     config = _tiles()["weight_grad"]
     grid = (like.shape[0] * triton.cdiv(n_out, config["BLOCK_O"]) * triton.cdiv(n_in, config["BLOCK_I"]),)
     moe_weight_grad_kernel[grid](
-        a, b, row_scale if row_scale is not None else empty_tensor(a.device), row_token, expert_end, dw,
+        a, b, row_token, expert_end, dw,
         n_out, n_in,
         a.stride(0), b.stride(0), dw.stride(0), dw.stride(o_dim), dw.stride(i_dim),
-        GATHER_A=gather_a, SCALE_A=row_scale is not None, GATHER_B=gather_b, PRECISION=_precision(a.dtype),
+        GATHER_A=gather_a, GATHER_B=gather_b, PRECISION=_precision(a.dtype),
         **config,
     )
     return dw
 
 
-def _moe_fwd_fake(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, row_token, expert_end,
+def _moe_fwd_fake(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, order, row_token, expert_end,
                   tile_expert, tile_row, gate, transposed, interleaved, alpha, limit):
     n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     n_rows = row_token.shape[0]
@@ -384,19 +396,40 @@ def _moe_fwd_fake(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weigh
 @tigon_op("moe_fwd", fake=_moe_fwd_fake)
 def moe_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None, row_weight: torch.Tensor, row_token: torch.Tensor, expert_end: torch.Tensor,
-    tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool, interleaved: bool,
-    alpha: float, limit: float,
+    down_bias: torch.Tensor | None, row_weight: torch.Tensor, order: torch.Tensor, row_token: torch.Tensor,
+    expert_end: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool,
+    interleaved: bool, alpha: float, limit: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H]`` through the experts → ``(y [T, H], gate_up [S, 2I], h [S, I])``; the routing is
-    :func:`routing`'s, ``row_weight [S]`` fp32 the routing weight of each sorted row."""
+    """``x [T, H]`` through the experts → ``(y [T, H], gate_up [S, 2I], wh [S, I])`` (module
+    docstring); the routing is :func:`routing`'s, ``row_weight [S]`` fp32 the routing weight of
+    each sorted row."""
+    meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
-    meta = (None, row_token, expert_end, tile_expert, tile_row)
-    return _moe_forward(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, meta, layout, gate, alpha, limit)
+    tiles = _tiles()
+    n_tokens, n_hidden = x.shape
+    n_rows, n_inter = row_token.numel(), layout.n_inter
+    gate_up = x.new_empty((n_rows, 2 * n_inter))
+    wh = x.new_empty((n_rows, n_inter))
+    bias, stride_bias = _optional(gate_up_bias, x.device)
+    config = tiles["gate_up"]
+    moe_gate_up_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
+        x, gate_up_proj, bias, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, wh,
+        n_hidden, n_inter, layout.up_shift, layout.pair_stride,
+        x.stride(0), *layout.gate_up_kc, stride_bias, gate_up.stride(0), wh.stride(0),
+        alpha, limit,
+        ACTIVATION=_ACTIVATION[gate], HAS_BIAS=stride_bias != 0, PRECISION=_precision(x.dtype),
+        BLOCK_M=tiles["block_m"], **config,
+    )
+    # Each pair's weighted row lands at t·k + j; the k rows of a token are then summed in fp32
+    # (in a fixed order: the output is deterministic) and rounded once.
+    rows = x.new_empty((n_rows, n_hidden))
+    _scatter("down", wh, down_proj, layout.down_in_out, down_bias, row_weight, meta, rows, n_inter)
+    return rows.view(n_tokens, -1, n_hidden).sum(dim=1), gate_up, wh
 
 
-def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, h, row_weight, row_token, expert_end, tile_expert,
-                  tile_row, gate, transposed, interleaved, alpha, limit, needs_dx, needs_d_gate_up, needs_d_down):
+def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, wh, row_weight, order, row_token, expert_end,
+                  tile_expert, tile_row, gate, transposed, interleaved, alpha, limit, needs_dx, needs_d_gate_up,
+                  needs_d_down):
     def grad(like, needed):
         return like.new_empty(like.shape if needed else (0,))
 
@@ -407,19 +440,18 @@ def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, h, row_weight, row_to
 @tigon_op("moe_bwd", fake=_moe_bwd_fake, mutates_args=("gate_up",))
 def moe_bwd(
     dy: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up: torch.Tensor,
-    h: torch.Tensor, row_weight: torch.Tensor, row_token: torch.Tensor, expert_end: torch.Tensor,
-    tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool, interleaved: bool,
-    alpha: float, limit: float, needs_dx: bool, needs_d_gate_up: bool, needs_d_down: bool,
+    wh: torch.Tensor, row_weight: torch.Tensor, order: torch.Tensor, row_token: torch.Tensor,
+    expert_end: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool,
+    interleaved: bool, alpha: float, limit: float, needs_dx: bool, needs_d_gate_up: bool, needs_d_down: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, d_gate_up_proj, d_down_proj, d_row_weight)`` for ``dy [T, H]``; a gradient not asked
     for is an empty tensor. ``gate_up`` is overwritten with its gradient. ``d_row_weight [S]`` fp32
     leaves out the down bias's term ``dy_t · b2_e``."""
+    meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
-    meta = (None, row_token, expert_end, tile_expert, tile_row)
     tiles = _tiles()
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
-    precision = _precision(dy.dtype)
     d_row_weight = torch.zeros_like(row_weight)
     config = tiles["down_bwd"]
     moe_down_bwd_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
@@ -427,21 +459,20 @@ def moe_bwd(
         n_hidden, n_inter, layout.up_shift, layout.pair_stride,
         dy.stride(0), *layout.down_out_in, gate_up.stride(0),
         alpha, limit,
-        ACTIVATION=_ACTIVATION[gate], PRECISION=precision, BLOCK_M=tiles["block_m"], **config,
+        ACTIVATION=_ACTIVATION[gate], PRECISION=_precision(dy.dtype), BLOCK_M=tiles["block_m"], **config,
     )
     none = dy.new_empty((0,))
-    o_i = (2, 1) if transposed else (1, 2)
     d_down = none
     if needs_d_down:
-        d_down = _weight_grad(dy, h, row_weight, True, False, meta, (down_proj, *o_i), n_hidden, n_inter)
+        d_down = _weight_grad(dy, wh, True, False, meta, down_proj, transposed, n_hidden, n_inter)
     dx = none
     if needs_dx:
-        dx32 = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=dy.device)
-        _scatter(gate_up, gate_up_proj, layout.gate_up_cn, None, None, meta, dx32, 2 * n_inter)
-        dx = dx32.to(x.dtype)
+        dx = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=dy.device)
+        _scatter("dx", gate_up, gate_up_proj, layout.gate_up_cn, None, None, meta, dx, 2 * n_inter)
+        dx = dx.to(x.dtype)
     d_gate_up = none
     if needs_d_gate_up:
-        d_gate_up = _weight_grad(gate_up, x, None, False, True, meta, (gate_up_proj, *o_i), 2 * n_inter, n_hidden)
+        d_gate_up = _weight_grad(gate_up, x, False, True, meta, gate_up_proj, transposed, 2 * n_inter, n_hidden)
     return dx, d_gate_up, d_down, d_row_weight
 
 
@@ -453,30 +484,30 @@ class MoEExpertsFunction(torch.autograd.Function):
                 gate, transposed, interleaved, alpha, limit):
         n_experts = gate_up_proj.shape[0]
         meta = routing(top_k_index, n_experts, _tiles()["block_m"])
-        order = meta[0]
-        row_weight = top_k_weights.reshape(-1)[order].float()
-        y, gate_up, h = moe_fwd(
-            x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, *meta[1:],
+        row_weight = top_k_weights.reshape(-1)[meta[0]].float()
+        y, gate_up, wh = moe_fwd(
+            x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, *meta,
             gate, transposed, interleaved, alpha, limit,
         )
         ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                              gate_up, h, row_weight, *meta)
+                              gate_up, wh, row_weight, *meta)
         ctx.options = (gate, transposed, interleaved, alpha, limit)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up, h, row_weight,
-         order, *meta) = ctx.saved_tensors
+        (x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up, wh, row_weight,
+         *meta) = ctx.saved_tensors
+        order = meta[0]
         needs = ctx.needs_input_grad
         dx, d_gate_up_proj, d_down_proj, d_row_weight = moe_bwd(
-            dy.contiguous(), x, gate_up_proj, down_proj, gate_up, h, row_weight, *meta, *ctx.options,
+            dy.contiguous(), x, gate_up_proj, down_proj, gate_up, wh, row_weight, *meta, *ctx.options,
             needs[0], needs[3], needs[4],
         )
         d_weights = None
         if needs[2]:
             d_pairs = torch.empty_like(d_row_weight)
-            d_pairs[order] = d_row_weight
+            d_pairs[order.long()] = d_row_weight
             d_weights = d_pairs.view(top_k_weights.shape)
             if down_bias is not None:
                 # y_t's term w_tj · b2_e: its weight's gradient gains dy_t · b2_e.
@@ -486,7 +517,7 @@ class MoEExpertsFunction(torch.autograd.Function):
         if gate_up_bias is not None and needs[5]:
             # Σ over each expert's rows of d_gate_up (now in gate_up): one matmul with the rows'
             # one-hot expert matrix [E, S].
-            row_expert = top_k_index.reshape(-1)[order]
+            row_expert = top_k_index.reshape(-1)[order.long()]
             one_hot = (row_expert[None, :] == torch.arange(gate_up_bias.shape[0], device=dy.device)[:, None])
             d_gate_up_bias = (one_hot.to(gate_up.dtype) @ gate_up).to(gate_up_bias.dtype)
         if down_bias is not None and needs[6]:
