@@ -147,6 +147,20 @@ CASES = {
                      gate_lora=(_leaf(2, 8), _leaf(12, 2), 2.0), down_lora=(_leaf(3, 12), _leaf(8, 3), 0.5)),
         set(),
     ),
+    "moe_experts": (
+        tf.moe_experts,
+        lambda: dict(hidden_states=_leaf(5, 8), top_k_index=_ids(5, 2, high=3), top_k_weights=_leaf(5, 2),
+                     gate_up_proj=_leaf(3, 12, 8), down_proj=_leaf(3, 8, 6)),
+        set(),
+    ),
+    "moe_experts/gpt_oss": (
+        tf.moe_experts,
+        lambda: dict(hidden_states=_leaf(5, 8), top_k_index=_ids(5, 2, high=3), top_k_weights=_leaf(5, 2),
+                     gate_up_proj=_leaf(3, 8, 12), down_proj=_leaf(3, 6, 8), gate_up_bias=_leaf(3, 12),
+                     down_bias=_leaf(3, 8), gate="swiglu_clamped", transposed=True, interleaved=True,
+                     alpha=_number(1.702), limit=_number(7.0)),
+        {"alpha", "limit"},
+    ),
     "cross_entropy": (
         tf.cross_entropy,
         lambda: dict(logits=_leaf(N, V), target=_ids(N), label_smoothing=_number(0.1), lse_square_scale=_number(0.01),

@@ -55,6 +55,16 @@ from tigon.ops.gated import gate_activation, swiglu_clamped_grads, swiglu_clampe
 
 GATES = ("swiglu", "geglu", "swiglu_clamped")
 _ACTIVATION = {"swiglu": "silu", "geglu": "gelu_tanh", "swiglu_clamped": "clamped"}
+# Triton 3.6's interpreter misreads bf16 operands of tl.dot; there they are widened to fp32 first
+# (exactly: bf16 products are exact in fp32, as on the GPU's tensor cores).
+_WIDEN_BF16_DOT = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -107,8 +117,8 @@ def moe_gate_up_kernel(
         k_mask = ks < n_in - k0
         a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
-        acc_gate = tl.dot(a, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=PRECISION)
+        acc_gate = _dot(a, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_gate, PRECISION)
+        acc_up = _dot(a, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_up, PRECISION)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -149,7 +159,7 @@ def moe_scatter_kernel(
         k_mask = ks < n_in - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = _dot(a, w, acc, PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -165,8 +175,8 @@ def moe_scatter_kernel(
 
 @triton.jit
 def moe_down_bwd_kernel(
-    DY, W, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, D_SCALE,
-    n_hidden, n_inter, up_shift, pair_stride,
+    DY, W, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, D_SCALE_PARTS,
+    n_rows, n_hidden, n_inter, up_shift, pair_stride,
     stride_dy, stride_we, stride_wk, stride_wn, stride_gu,
     alpha, limit,
     ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
@@ -174,10 +184,11 @@ def moe_down_bwd_kernel(
 ):
     n_blocks = tl.cdiv(n_inter, BLOCK_N)
     pid_m = tl.program_id(0) // n_blocks
+    pid_n = tl.program_id(0) % n_blocks
     expert, rows, tokens, row_mask = _row_tile(TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, pid_m, BLOCK_M)
     if expert < 0:
         return
-    cols = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_inter
     ks = tl.arange(0, BLOCK_K)
     dy_ptrs = DY + tokens[:, None] * stride_dy + ks[None, :]
@@ -187,26 +198,27 @@ def moe_down_bwd_kernel(
         k_mask = ks < n_hidden - k0
         dy = tl.load(dy_ptrs, mask=k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        g = tl.dot(dy, w, g, input_precision=PRECISION)
+        g = _dot(dy, w, g, PRECISION)
         dy_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     mask = row_mask[:, None] & col_mask[None, :]
     gate_ptrs = GATE_UP + rows[:, None] * stride_gu + (cols * pair_stride)[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + up_shift, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)
-    dh = g * scale[:, None]
+    scale = tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
     if ACTIVATION == "clamped":
-        d_gate, d_up, h = swiglu_clamped_grads(gate, up, dh, alpha, limit)
+        d_gate, d_up, h = swiglu_clamped_grads(gate, up, g * scale, alpha, limit)
     else:
         act, act_grad = gate_activation(gate, ACTIVATION)
         h = act * up
-        d_gate = dh * up * act_grad
-        d_up = dh * act
+        d_up = g * scale * act
+        d_gate = g * scale * up * act_grad
     # Each program reads its own tile of gate_up before overwriting it with the gradient.
     tl.store(gate_ptrs, d_gate.to(GATE_UP.dtype.element_ty), mask=mask)
     tl.store(gate_ptrs + up_shift, d_up.to(GATE_UP.dtype.element_ty), mask=mask)
-    tl.atomic_add(D_SCALE + rows, tl.sum(tl.where(mask, g * h, 0.0), axis=1), mask=row_mask, sem="relaxed")
+    # This column block's share of dw_r = g_r · h_r, summed over the blocks after (no atomics:
+    # every (block, row) is written once).
+    tl.store(D_SCALE_PARTS + pid_n * n_rows + rows, tl.sum(tl.where(mask, g * h, 0.0), axis=1), mask=row_mask)
 
 
 @triton.jit
@@ -240,7 +252,7 @@ def moe_weight_grad_kernel(
         b_rows = tokens if GATHER_B else rows
         a = tl.load(A + a_rows[:, None] * stride_a + outs[None, :], mask=k_mask[:, None] & out_mask[None, :], other=0.0)
         b = tl.load(B + b_rows[:, None] * stride_b + ins[None, :], mask=k_mask[:, None] & in_mask[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+        acc = _dot(tl.trans(a), b, acc, PRECISION)
     dw_ptrs = DW + expert.to(tl.int64) * stride_de + outs[:, None] * stride_do + ins[None, :] * stride_di
     tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=out_mask[:, None] & in_mask[None, :])
 
@@ -274,10 +286,10 @@ def moe_schedule_kernel(
 # the smallest tiles tl.dot accepts, so that CPU tests cross several tiles and experts.
 _GPU_TILES = {
     "block_m": 128,
-    "gate_up": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "gate_up": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "down": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-    "dx": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-    "down_bwd": dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    "dx": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
+    "down_bwd": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
 }
 _INTERPRETER_TILES = {
@@ -452,11 +464,11 @@ def moe_bwd(
     tiles = _tiles()
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
-    d_row_weight = torch.zeros_like(row_weight)
     config = tiles["down_bwd"]
+    d_row_weight = row_weight.new_empty((triton.cdiv(n_inter, config["BLOCK_N"]), row_weight.numel()))
     moe_down_bwd_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
         dy, down_proj, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, d_row_weight,
-        n_hidden, n_inter, layout.up_shift, layout.pair_stride,
+        row_weight.numel(), n_hidden, n_inter, layout.up_shift, layout.pair_stride,
         dy.stride(0), *layout.down_out_in, gate_up.stride(0),
         alpha, limit,
         ACTIVATION=_ACTIVATION[gate], PRECISION=_precision(dy.dtype), BLOCK_M=tiles["block_m"], **config,
@@ -473,7 +485,7 @@ def moe_bwd(
     d_gate_up = none
     if needs_d_gate_up:
         d_gate_up = _weight_grad(gate_up, x, False, True, meta, gate_up_proj, transposed, 2 * n_inter, n_hidden)
-    return dx, d_gate_up, d_down, d_row_weight
+    return dx, d_gate_up, d_down, d_row_weight.sum(dim=0)
 
 
 class MoEExpertsFunction(torch.autograd.Function):

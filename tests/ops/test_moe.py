@@ -1,0 +1,164 @@
+import pytest
+import torch
+
+import tigon.functional as tf
+from tigon.ops import moe
+from tigon.testing import reference
+from utils import DEVICE, ON_GPU, assert_close, leaf_copies, pick, randn
+
+# (tokens, hidden, intermediate, experts, top-k): non-powers of two, and tokens over several tiles.
+SHAPES = pick(cpu=[(29, 32, 24, 5, 2)], gpu=[(16384, 2048, 768, 128, 8), (4099, 2880, 2880, 32, 4)])
+# (gate, transposed, interleaved, biases): transformers' layouts (Qwen3-MoE, Mixtral: the first;
+# GPT-OSS: the last) and the mixed ones the strides allow.
+LAYOUTS = [("swiglu", False, False, False), ("geglu", True, False, False), ("swiglu", False, True, True),
+           ("swiglu_clamped", True, True, True)]
+
+
+def _routing(n_tokens, n_experts, top_k, unused=()):
+    """Each token's ``top_k`` distinct experts (none of ``unused``) and softmax weights."""
+    logits = torch.randn(n_tokens, n_experts, device=DEVICE)
+    logits[:, list(unused)] = -float("inf")
+    weights, index = logits.softmax(-1).topk(top_k, dim=-1)
+    return index, weights
+
+
+def _experts(shape, dtype, layout, unused=()):
+    n_tokens, hidden, inter, n_experts, top_k = shape
+    _, transposed, _, biases = layout
+    index, weights = _routing(n_tokens, n_experts, top_k, unused)
+    gate_up_shape = (n_experts, hidden, 2 * inter) if transposed else (n_experts, 2 * inter, hidden)
+    down_shape = (n_experts, inter, hidden) if transposed else (n_experts, hidden, inter)
+    return dict(
+        hidden_states=randn(n_tokens, hidden, dtype=dtype, requires_grad=True),
+        top_k_index=index,
+        top_k_weights=weights.requires_grad_(),
+        gate_up_proj=randn(*gate_up_shape, dtype=dtype, requires_grad=True, scale=hidden**-0.5),
+        down_proj=randn(*down_shape, dtype=dtype, requires_grad=True, scale=inter**-0.5),
+        gate_up_bias=randn(n_experts, 2 * inter, dtype=dtype, requires_grad=True, scale=0.5) if biases else None,
+        down_bias=randn(n_experts, hidden, dtype=dtype, requires_grad=True, scale=0.5) if biases else None,
+    )
+
+
+def _run(inputs, layout, function, dtype=None):
+    """Output and every gradient of ``function`` (tigon's or the reference) for one ``dy``."""
+    gate, transposed, interleaved, _ = layout
+    copies = dict(zip(inputs, leaf_copies(*inputs.values(), dtype=dtype))) if dtype else inputs
+    copies["top_k_index"] = inputs["top_k_index"]
+    out = function(**copies, gate=gate, transposed=transposed, interleaved=interleaved)
+    dy = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(1), device=DEVICE)
+    out.backward(dy.to(out.dtype))
+    grads = {name: t.grad for name, t in copies.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+    return out, grads
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(str(v) for v in layout))
+def test_moe_experts_fp32_matches_fp64(shape, layout):
+    inputs = _experts(shape, torch.float32, layout)
+    out, grads = _run(inputs, layout, tf.moe_experts)
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+    assert out.dtype == torch.float32 and out.shape == inputs["hidden_states"].shape
+    assert_close(out, truth, torch.float32, "output")
+    assert grads.keys() == truth_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == inputs[name].dtype
+        # The routing weights' and biases' gradients are sums over many rows.
+        assert_close(grad, truth_grads[name], torch.float32, f"grad of {name}", 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_moe_experts_16bit_within_eager_distance(dtype):
+    """In 16 bits, no further from fp64 than transformers' eager experts in that dtype (which
+    round every product, the weighted rows and the per-token sums)."""
+    shape, layout = SHAPES[0], LAYOUTS[0]
+    inputs = _experts(shape, dtype, layout)
+    out, grads = _run(inputs, layout, tf.moe_experts)
+    eager, eager_grads = _run(inputs, layout, reference.moe_experts, dtype=dtype)
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+
+    def distance(actual, expected):
+        return ((actual.double() - expected).norm() / expected.norm()).item()
+
+    assert distance(out, truth) <= 1.25 * distance(eager, truth)
+    for name, grad in grads.items():
+        assert distance(grad, truth_grads[name]) <= 1.25 * distance(eager_grads[name], truth_grads[name]), name
+
+
+def test_moe_experts_edge_cases():
+    """Experts that receive no token, top-1 routing, a single token, an expert count that is not a
+    power of two, and frozen expert weights (no weight gradient, the input's still exact)."""
+    layout = LAYOUTS[0]
+    for shape, unused in (((23, 32, 24, 7, 2), (0, 3, 6)), ((19, 32, 24, 5, 1), ()), ((1, 32, 24, 3, 2), ())):
+        inputs = _experts(shape, torch.float32, layout, unused)
+        out, grads = _run(inputs, layout, tf.moe_experts)
+        truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+        assert_close(out, truth, torch.float32, f"output {shape}")
+        for name, grad in grads.items():
+            assert_close(grad, truth_grads[name], torch.float32, f"grad of {name} {shape}", 2.0)
+        for expert in unused:
+            assert not grads["gate_up_proj"][expert].any() and not grads["down_proj"][expert].any()
+    inputs = _experts(SHAPES[0], torch.float32, layout)
+    for name in ("gate_up_proj", "down_proj", "top_k_weights"):
+        inputs[name].requires_grad_(False)
+    out, grads = _run(inputs, layout, tf.moe_experts)
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+    assert grads.keys() == {"hidden_states"}
+    assert_close(grads["hidden_states"], truth_grads["hidden_states"], torch.float32, "grad of hidden_states")
+
+
+def test_routing_schedule_covers_every_row_once():
+    top_k_index, _ = _routing(37, 6, 3, unused=(2,))
+    order, row_token, expert_end, tile_expert, tile_row = moe.routing(top_k_index, 6, block_m=4)
+    flat = top_k_index.reshape(-1)
+    assert torch.equal(row_token.long(), order.long() // 3)
+    assert torch.equal(flat[order.long()], flat.sort(stable=True).values)
+    assert expert_end.tolist() == torch.bincount(flat, minlength=6).cumsum(0).tolist()
+    starts = [0, *expert_end.tolist()[:-1]]
+    covered = []
+    for expert, row in zip(tile_expert.tolist(), tile_row.tolist()):
+        if expert < 0:
+            continue
+        assert starts[expert] <= row < expert_end[expert]
+        covered += range(row, min(row + 4, expert_end[expert]))
+    assert sorted(covered) == list(range(flat.numel()))
+
+
+def test_moe_experts_refuses_bad_input():
+    inputs = _experts(SHAPES[0], torch.float32, LAYOUTS[0])
+    n_experts = inputs["gate_up_proj"].shape[0]
+    bad_ids = inputs["top_k_index"].clone()
+    bad_ids[3, 1] = n_experts
+    with pytest.raises(ValueError, match=rf"top_k_index must hold expert ids in \[0, {n_experts}\).*got ids from 0 to {n_experts}"):
+        tf.moe_experts(**{**inputs, "top_k_index": bad_ids})
+    with pytest.raises(ValueError, match=r"down_proj must have shape .*\[E, H, I\]"):
+        tf.moe_experts(**{**inputs, "down_proj": inputs["down_proj"][:, :, :-1]})
+    with pytest.raises(ValueError, match=r"gate_up_proj must have shape .*transposed \[E, H, 2I\]"):
+        tf.moe_experts(**inputs, transposed=True)
+    with pytest.raises(ValueError, match=r"top_k_weights must have shape .*as top_k_index"):
+        tf.moe_experts(**{**inputs, "top_k_weights": inputs["top_k_weights"][:, :1]})
+    with pytest.raises(ValueError, match=r"gate must be one of"):
+        tf.moe_experts(**inputs, gate="relu")
+    with pytest.raises(TypeError, match=r"top_k_index"):
+        tf.moe_experts(**{**inputs, "top_k_index": inputs["top_k_index"].float()})
+    with pytest.raises(ValueError, match=r"dtype"):
+        tf.moe_experts(**{**inputs, "down_proj": inputs["down_proj"].half()})
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs tensors past 2^31 elements")
+def test_moe_experts_offsets_past_int32():
+    """Row offsets of ``x`` and ``dx`` past 2³¹ elements: the last tokens match the reference."""
+    n_tokens, hidden, inter, n_experts = 2**31 // 4096 + 3000, 4096, 64, 4
+    x = randn(n_tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.randint(0, n_experts, (n_tokens, 1), device=DEVICE)
+    weights = torch.rand(n_tokens, 1, device=DEVICE)
+    gate_up = randn(n_experts, 2 * inter, hidden, dtype=torch.bfloat16, scale=hidden**-0.5)
+    down = randn(n_experts, hidden, inter, dtype=torch.bfloat16, scale=inter**-0.5)
+    out = tf.moe_experts(x, index, weights, gate_up, down)
+    dy = torch.zeros_like(out)
+    dy[-2000:] = torch.randn(2000, hidden, device=DEVICE, dtype=dy.dtype)
+    out.backward(dy)
+    tail = x[-2000:].detach().double().requires_grad_()
+    truth = reference.moe_experts(tail, index[-2000:], weights[-2000:].double(), gate_up.double(), down.double())
+    truth.backward(dy[-2000:].double())
+    assert_close(out[-2000:], truth, torch.bfloat16, "output of the last tokens")
+    assert_close(x.grad[-2000:], tail.grad, torch.bfloat16, "grad of the last tokens", 2.0)
