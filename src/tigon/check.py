@@ -46,6 +46,8 @@ def _cases(small: bool) -> list[Case]:
     group = hidden // 8  # rms_norm_gated normalising per group of features (Falcon-H1, Zamba2)
     expert_inter = 150 if small else 2880  # GPT-OSS's clamped SwiGLU, at its expert width
     n_tokens, vocab, lm_hidden = (48, 1000, 64) if small else (4096, 128256, 4096)
+    # A MoE layer's experts: Qwen3-30B-A3B's (128 experts, top-8, H 2048, I 768) on a GPU.
+    moe_tokens, n_experts, top_k, moe_hidden, moe_inter = (40, 6, 2, 64, 40) if small else (8192, 128, 8, 2048, 768)
 
     def norm_inputs(device, dtype, residual):
         inputs = {"x": _randn(device, dtype, rows, hidden), "weight": _randn(device, dtype, hidden)}
@@ -121,6 +123,16 @@ def _cases(small: bool) -> list[Case]:
             "lora_b": _randn(device, dtype, inter, rank, scale=rank**-0.5),
         }
 
+    def moe_inputs(device, dtype, _):
+        weights, index = torch.softmax(torch.randn(moe_tokens, n_experts, device=device), dim=-1).topk(top_k, dim=-1)
+        return {
+            "hidden_states": _randn(device, dtype, moe_tokens, moe_hidden),
+            "top_k_index": index,
+            "top_k_weights": weights,
+            "gate_up_proj": _randn(device, dtype, n_experts, 2 * moe_inter, moe_hidden, scale=moe_hidden**-0.5),
+            "down_proj": _randn(device, dtype, n_experts, moe_hidden, moe_inter, scale=moe_inter**-0.5),
+        }
+
     def ln_inputs(device, dtype, _):
         return {**norm_inputs(device, dtype, False), "bias": _randn(device, dtype, hidden)}
 
@@ -164,6 +176,10 @@ def _cases(small: bool) -> list[Case]:
         Case(
             "lora_linear", f"[{rows}, {hidden}] x [{inter}, {hidden}], r 16", lora_inputs,
             lambda m, i: m.lora_linear(**i, scaling=2.0),
+        ),
+        Case(
+            "moe_experts", f"[{moe_tokens}, {moe_hidden}], {n_experts} experts top-{top_k}, I {moe_inter}", moe_inputs,
+            lambda m, i: m.moe_experts(**i),
         ),
         Case("cross_entropy", f"[{n_tokens}, {vocab}]", ce_inputs, lambda m, i: m.cross_entropy(**i)),
         Case(

@@ -310,6 +310,23 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _tile_schedule_fake(expert_end, n_tiles, block_m):
+    return expert_end.new_empty(n_tiles), expert_end.new_empty(n_tiles)
+
+
+@tigon_op("moe_tile_schedule", fake=_tile_schedule_fake)
+def tile_schedule(expert_end: torch.Tensor, n_tiles: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tile_expert, tile_row)`` of :func:`routing`, int32 ``[n_tiles]``, from ``expert_end`` (int32)."""
+    tile_expert = expert_end.new_empty(n_tiles)
+    tile_row = expert_end.new_empty(n_tiles)
+    block_e = triton.next_power_of_2(expert_end.numel())
+    block_t = max(16, 4096 // block_e)
+    moe_schedule_kernel[(triton.cdiv(n_tiles, block_t),)](
+        expert_end, tile_expert, tile_row, expert_end.numel(), n_tiles, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=block_t,
+    )
+    return tile_expert, tile_row
+
+
 def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """The routing metadata of ``top_k_index [T, k]`` (expert ids in ``[0, n_experts)``), without a
     host sync: ``(order, row_token, expert_end, tile_expert, tile_row)``, all int32.
@@ -326,13 +343,7 @@ def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[to
     expert_ids = torch.arange(n_experts, device=device, dtype=sorted_ids.dtype)
     expert_end = torch.searchsorted(sorted_ids, expert_ids, right=True, out_int32=True)
     n_tiles = triton.cdiv(n_rows, block_m) + min(n_experts, n_rows)
-    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=device)
-    tile_row = torch.empty(n_tiles, dtype=torch.int32, device=device)
-    block_e = triton.next_power_of_2(n_experts)
-    block_t = max(16, 4096 // block_e)
-    moe_schedule_kernel[(triton.cdiv(n_tiles, block_t),)](
-        expert_end, tile_expert, tile_row, n_experts, n_tiles, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=block_t,
-    )
+    tile_expert, tile_row = tile_schedule(expert_end, n_tiles, block_m)
     order = order.int()
     return order, torch.div(order, top_k, rounding_mode="floor"), expert_end, tile_expert, tile_row
 
