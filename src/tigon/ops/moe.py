@@ -302,8 +302,15 @@ _INTERPRETER_TILES = {
 }
 
 
-def _tiles() -> dict:
-    return _INTERPRETER_TILES if interpreting() else _GPU_TILES
+def _tiles(dtype: torch.dtype) -> dict:
+    """The tiles for ``dtype``: fp32 operands take half the ``BLOCK_K`` of 16-bit ones (the same
+    bytes per pipeline stage in shared memory)."""
+    if interpreting():
+        return _INTERPRETER_TILES
+    if dtype.itemsize < 4:
+        return _GPU_TILES
+    return {name: {**config, "BLOCK_K": config["BLOCK_K"] // 2} if isinstance(config, dict) else config
+            for name, config in _GPU_TILES.items()}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -378,7 +385,7 @@ def _scatter(kind, a, weight, weight_strides, bias, row_scale, meta, out, n_in):
     """``a_r W_e + scale_r · b_e`` per sorted row ``r``: added into ``out [T, n_out]`` (fp32) at the
     row's token for ``kind="dx"``, stored into ``out [S, n_out]`` at the row's pair for ``"down"``."""
     order, row_token, expert_end, tile_expert, tile_row = meta
-    tiles = _tiles()
+    tiles = _tiles(a.dtype)
     config = tiles[kind]
     n_out = out.shape[1]
     bias, stride_bias = _optional(bias, a.device)
@@ -397,7 +404,7 @@ def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in):
     _, row_token, expert_end, _, _ = meta
     dw = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     o_dim, i_dim = (2, 1) if transposed else (1, 2)
-    config = _tiles()["weight_grad"]
+    config = _tiles(a.dtype)["weight_grad"]
     grid = (like.shape[0] * triton.cdiv(n_out, config["BLOCK_O"]) * triton.cdiv(n_in, config["BLOCK_I"]),)
     moe_weight_grad_kernel[grid](
         a, b, row_token, expert_end, dw,
@@ -428,7 +435,7 @@ def moe_fwd(
     each sorted row."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
-    tiles = _tiles()
+    tiles = _tiles(x.dtype)
     n_tokens, n_hidden = x.shape
     n_rows, n_inter = row_token.numel(), layout.n_inter
     gate_up = x.new_empty((n_rows, 2 * n_inter))
@@ -472,7 +479,7 @@ def moe_bwd(
     leaves out the down bias's term ``dy_t · b2_e``."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
-    tiles = _tiles()
+    tiles = _tiles(dy.dtype)
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
     config = tiles["down_bwd"]
@@ -506,7 +513,7 @@ class MoEExpertsFunction(torch.autograd.Function):
     def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                 gate, transposed, interleaved, alpha, limit):
         n_experts = gate_up_proj.shape[0]
-        meta = routing(top_k_index, n_experts, _tiles()["block_m"])
+        meta = routing(top_k_index, n_experts, _tiles(x.dtype)["block_m"])
         row_weight = top_k_weights.reshape(-1)[meta[0]].float()
         y, gate_up, wh = moe_fwd(
             x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, *meta,
