@@ -581,8 +581,9 @@ def _expert_id_bounds(top_k_index):
     after which they are there; ``None`` where no host sync is allowed (torch.compile, CUDA graph
     capture). Waiting on the event after the experts' kernels are queued keeps the GPU busy while
     the host waits (those kernels read only valid memory whatever the ids)."""
-    capturing = top_k_index.is_cuda and torch.cuda.is_current_stream_capturing()
-    if top_k_index.numel() == 0 or torch.compiler.is_compiling() or capturing:
+    if torch.compiler.is_compiling() or top_k_index.numel() == 0:
+        return None
+    if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     bounds = torch.stack(torch.aminmax(top_k_index)).to("cpu", non_blocking=True)
     event = None
