@@ -41,7 +41,7 @@ def _export_kernels(argv: list[str]) -> int:
 
 COMMANDS = {
     "check": (_check, "every op against its reference (environment, max errors, time)"),
-    "bench": (_bench, "benchmarks against PyTorch, torch.compile and the peers"),
+    "bench": (_bench, "benchmarks against PyTorch, torch.compile and the peers; bench e2e, bench moe"),
     "demo": (_demo, "train a small Llama plain and patched by tigon; compare losses, speed, memory"),
     "export-kernels": (_export_kernels, "write tigon as a kernel repository for transformers' kernel hub"),
 }

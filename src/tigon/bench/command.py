@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="tigon bench",
         description="Time every op against its peers on this GPU and write CSV, JSON and plots. "
         "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing. "
-        "`tigon bench e2e [--lora]` trains a 4-layer Llama-3-8B-shaped model end to end instead (see its --help).",
+        "`tigon bench e2e [--lora] [--model qwen3_moe]` trains a 4-layer Llama-3-8B- (or Qwen3-30B-A3B-) shaped model "
+        "end to end instead; `tigon bench moe` times whole MoE blocks (see their --help).",
     )
     parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OPS)}")
     parser.add_argument("--mode", choices=MODES, default="full", help="what is timed (default: full = forward + backward)")
@@ -62,6 +63,13 @@ def _default_out(smoke: bool, gpu: str | None) -> Path:
     if (checkout / "pyproject.toml").is_file():
         return checkout / "tigon-out" / "bench-smoke" if smoke else checkout / "benchmarks" / "results" / _slug(gpu)
     return Path.cwd() / "tigon-out" / ("bench-smoke" if smoke else f"bench-{_slug(gpu)}")
+
+
+def run_device(smoke: bool) -> tuple[bool, torch.device, str | None]:
+    """Whether the run is a smoke run (asked for, or no GPU), its device and the GPU's name."""
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    return smoke or not on_gpu, device, torch.cuda.get_device_name(device) if on_gpu else None
 
 
 def _progress(total: int):
@@ -151,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         from tigon.bench import e2e
 
         return e2e.main(argv[1:])
+    if argv[:1] == ["moe"]:
+        from tigon.bench import moe
+
+        return moe.main(argv[1:])
     args = parse_args(argv)
     started = time.perf_counter()
-    on_gpu = torch.cuda.is_available()
-    smoke = args.smoke or not on_gpu
-    device = torch.device("cuda" if on_gpu else "cpu")
-    gpu = torch.cuda.get_device_name(device) if on_gpu else None
+    smoke, device, gpu = run_device(args.smoke)
+    on_gpu = gpu is not None
     if not on_gpu:
         print("No CUDA device: running a tiny smoke sweep through Triton's interpreter on the CPU. "
               "It checks that the harness and the ops run; it measures no timings.")

@@ -1,4 +1,4 @@
-"""End to end: a 4-layer Llama-3-8B-shaped model trained with Hugging Face, + Liger-Kernel, + tigon.
+"""End to end: a 4-layer Llama-3-8B- or Qwen3-30B-A3B-shaped model trained with Hugging Face, + Liger-Kernel, + tigon.
 
 Shapes as ../shared/anchors.md: hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256,
 bf16 weights, AdamW, gradient checkpointing, SDPA attention, batch 4 × 4096 tokens. Each setup
@@ -10,23 +10,37 @@ uses with torch ≥ 2.8 (``adamw_torch_fused``); ``--optimizer foreach`` takes P
 ``--memory-profile`` adds, per setup, the largest tensors alive at the peak and where they were
 allocated.
 
+``--model qwen3_moe`` trains 4 layers of Qwen3-30B-A3B instead (hidden 2048, 32 heads / 4 KV heads
+of dim 128, 128 experts of width 768 with 8 per token and their weights renormalised, vocab 151936,
+rope theta 1e6), with the same batch, optimizer and checkpointing. The router's auxiliary loss is as
+the released config has it: not computed (``output_router_logits`` false, coefficient 0.001);
+``--router-aux-loss`` turns it on. The experts run as each setup has them: Hugging Face with
+transformers' default ``experts_implementation`` (``grouped_mm``), Liger with its
+``apply_liger_kernel_to_qwen3_moe`` defaults (which replace the experts by its fused MoE,
+``LigerExperts``, besides its norms, RoPE and fused linear cross entropy) and tigon with its family
+patch and ``experts_implementation="tigon"`` (its fused experts kernel); each result records its
+experts' class and implementation.
+
 ``--lora`` trains PEFT LoRA adapters instead (r 16, alpha 32, no dropout, on q, k, v, o, gate, up
 and down; PEFT's defaults otherwise, so fp32 adapters on the bf16 model), AdamW on the adapters
 only, and adds tigon's full fine-tuning of the same model and batch for scale. ``--qlora`` does the
 same over a 4-bit base: the decoder's linear layers as bitsandbytes NF4 layers computing in bf16.
 
-    tigon bench e2e [--lora | --qlora] [--setups hf liger tigon] [--steps 6] [--optimizer fused] [--out DIR]
+    tigon bench e2e [--model llama | qwen3_moe] [--lora | --qlora] [--setups hf liger tigon] [--steps 6]
+        [--optimizer fused] [--router-aux-loss] [--out DIR]
     (python -m tigon.bench.e2e takes the same arguments)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +55,41 @@ LLAMA_3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
     max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
 )
+# Qwen3-30B-A3B's, as its released config.json: every layer a mixture of experts.
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, output_router_logits=False,
+    router_aux_loss_coef=0.001,
+)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model trained end to end: ``module`` names its folder in ``transformers.models``, its
+    Liger patch (``apply_liger_kernel_to_<module>``) and tigon's (``PATCHERS[module]``).
+
+    Attributes:
+        title: the model whose layer shapes these are, for tables and plots.
+        config_class, model_class: names in the family's modeling module.
+        shapes: the released model's shapes (the number of layers is build_model's argument).
+        experts: a mixture of experts, whose tigon setup runs tigon's experts kernel.
+    """
+
+    title: str
+    module: str
+    config_class: str
+    model_class: str
+    shapes: dict
+    experts: bool = False
+
+
+MODELS = {
+    "llama": Model("Llama-3-8B", "llama", "LlamaConfig", "LlamaForCausalLM", LLAMA_3_8B),
+    "qwen3_moe": Model(
+        "Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B, experts=True,
+    ),
+}
 
 
 def gpu_slug() -> str:
@@ -48,30 +97,52 @@ def gpu_slug() -> str:
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
-def build_model(setup: str, layers: int, device: str = "cuda", **shape):
-    """A bf16 ``LlamaForCausalLM`` of ``layers`` layers with Llama-3-8B's shapes (``shape`` overrides
-    them, for smoke runs), seeded weights, SDPA, non-reentrant gradient checkpointing, in training
-    mode; ``setup`` "liger" or "tigon" patches the modeling module first."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def build_model(
+    setup: str, layers: int, device: str = "cuda", *, model: str = "llama", dtype=torch.bfloat16, **shape
+):
+    """A ``dtype`` causal LM of ``layers`` layers with the shapes of ``MODELS[model]`` (``shape``
+    overrides them, for smoke runs), seeded weights, SDPA, non-reentrant gradient checkpointing, in
+    training mode; ``setup`` "liger" or "tigon" patches the modeling module first, and a mixture of
+    experts built for "tigon" runs its experts by tigon's kernel."""
+    spec = MODELS[model]
+    options = {}
     if setup == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama()
+        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{spec.module}")()
     elif setup == "tigon":
-        from tigon.transformers import apply_tigon_to_llama
+        from tigon.transformers import PATCHERS
 
-        apply_tigon_to_llama()
-    config = LlamaConfig(
-        **{**LLAMA_3_8B, **shape}, num_hidden_layers=layers, tie_word_embeddings=False, attn_implementation="sdpa",
+        PATCHERS[spec.module]()
+        if spec.experts:
+            from tigon.transformers.moe import IMPLEMENTATION, register
+
+            register()  # before the model is built: transformers checks the name then
+            options["experts_implementation"] = IMPLEMENTATION
+    modeling = importlib.import_module(f"transformers.models.{spec.module}.modeling_{spec.module}")
+    config_class = getattr(importlib.import_module(f"transformers.models.{spec.module}"), spec.config_class)
+    config = config_class(
+        **{**spec.shapes, **shape}, num_hidden_layers=layers, tie_word_embeddings=False, attn_implementation="sdpa",
+        **options,
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = getattr(modeling, spec.model_class)(config).to(dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
     return model
+
+
+def experts_in(model) -> str | None:
+    """What computes the model's mixture-of-experts experts: their class and transformers'
+    ``experts_implementation`` it dispatches on (a class replacing it, Liger's, has none); ``None``
+    for a dense model."""
+    experts = next((module for module in model.modules() if type(module).__name__.endswith("Experts")), None)
+    if experts is None:
+        return None
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    return type(experts).__name__ + (f" ({implementation})" if implementation else "")
 
 
 def with_lora(model):
@@ -184,7 +255,9 @@ def label(setup: str, lora: str | None) -> str:
 def run_setup(args, setup: str) -> dict:
     batch, seq_len = args.batch, args.seq_len
     lora = (args.lora or args.qlora) and setup != FULL_TIGON
-    model = build_model("tigon" if setup == FULL_TIGON else setup, args.layers)
+    shape = {"output_router_logits": True} if args.router_aux_loss else {}
+    model = build_model("tigon" if setup == FULL_TIGON else setup, args.layers, model=args.model, **shape)
+    experts = experts_in(model)
     if lora and args.qlora:
         model = quantize_4bit(model)
     if lora:
@@ -193,8 +266,9 @@ def run_setup(args, setup: str) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(0)
     result = {
         "setup": setup, "label": label(setup, "QLoRA" if args.qlora else "LoRA" if args.lora else None),
-        "lora": lora, "layers": args.layers, "batch": batch,
+        "model": args.model, "lora": lora, "layers": args.layers, "batch": batch,
         "seq_len": seq_len, "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
+        **({"experts": experts, "router_aux_loss": args.router_aux_loss} if experts else {}),
         **time_steps(model, optimizer, batch, seq_len, args.steps, generator),
     }
     if args.memory_profile:
@@ -236,8 +310,9 @@ def plot(results: list[dict], path: Path, device: str) -> None:
     what = "full fine-tuning"
     if results[0]["lora"]:
         what = f"PEFT {'QLoRA (NF4 base)' if 'QLoRA' in results[0]['label'] else 'LoRA'} r 16 on all linear layers"
-    fig.suptitle(f"4-layer Llama-3-8B shapes, bf16, {what}, {results[0]['optimizer']}, gradient checkpointing"
-                 f" — {device}")
+    first = results[0]
+    fig.suptitle(f"{first['layers']}-layer {MODELS[first['model']].title} shapes, bf16, {what}, {first['optimizer']}, "
+                 f"gradient checkpointing — {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -245,6 +320,7 @@ def plot(results: list[dict], path: Path, device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tigon bench e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default="llama", help="whose layer shapes (default: llama)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
@@ -255,9 +331,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-profile", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters; adds tigon's full fine-tuning")
     parser.add_argument("--qlora", action="store_true", help="as --lora over a bitsandbytes 4-bit NF4 base")
+    parser.add_argument("--router-aux-loss", action="store_true",
+                        help="with --model qwen3_moe: add the router's auxiliary loss (off in the released config)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", choices=(*SETUPS, FULL_TIGON), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.model != "llama" and (args.lora or args.qlora):
+        parser.error("--lora and --qlora train the Llama model only")
+    if args.router_aux_loss and not MODELS[args.model].experts:
+        parser.error("--router-aux-loss needs a mixture of experts (--model qwen3_moe)")
     if not torch.cuda.is_available():
         print("tigon bench e2e trains on a GPU; no CUDA device is available here.")
         return 1
@@ -274,10 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     lora = args.lora or args.qlora
     for setup in [*args.setups, *[FULL_TIGON] * lora]:
         command = [
-            sys.executable, "-m", "tigon.bench.e2e", "--child", setup, "--layers", str(args.layers),
+            sys.executable, "-m", "tigon.bench.e2e", "--child", setup, "--model", args.model,
+            "--layers", str(args.layers),
             "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--max-search", str(args.max_search), "--optimizer", args.optimizer,
             *["--lora"] * args.lora, *["--qlora"] * args.qlora, *["--memory-profile"] * args.memory_profile,
+            *["--router-aux-loss"] * args.router_aux_loss,
         ]
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -298,10 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['label']:<42}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
               f"{r['memory_vs_hf']:>9.0%}{r['longest_seq_len_batch1']:>17,}")
     for r in results:
-        print(r["label"], "peak by phase (GiB):", {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()})
+        phases = {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()}
+        print(f"{r['label']} peak by phase (GiB): {phases}" + (f"; experts: {r['experts']}" if "experts" in r else ""))
         for row in r.get("peak_tensors", []):
             print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
-    name = "e2e_llama_qlora" if args.qlora else "e2e_llama_lora" if args.lora else "e2e_llama"
+    name = f"e2e_{args.model}" + ("_qlora" if args.qlora else "_lora" if args.lora else "")
+    if args.router_aux_loss:
+        name += "_aux_loss"
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     plot(results, out / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
