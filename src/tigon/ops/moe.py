@@ -88,50 +88,78 @@ def _gate_math(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
 
 
 @triton.jit
+def _pair_columns(pid_n, n_inter, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The gate_up columns of intermediate features ``[pid_n·BLOCK_N, +BLOCK_N)``: interleaved, one
+    contiguous run of ``2·BLOCK_N`` (gate, up) pairs; concatenated, the gate's (the up's are
+    ``n_inter`` further)."""
+    if INTERLEAVED:
+        cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        return cols, cols < 2 * n_inter
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, cols < n_inter
+
+
+@triton.jit
+def _split_pairs(tile, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_M, 2·BLOCK_N]`` interleaved (gate, up) columns → gate, up ``[BLOCK_M, BLOCK_N]``."""
+    return tl.split(tl.reshape(tile, (BLOCK_M, BLOCK_N, 2)))
+
+
+@triton.jit
+def _join_pairs(gate, up, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    return tl.reshape(tl.join(gate, up), (BLOCK_M, 2 * BLOCK_N))
+
+
+@triton.jit
 def moe_gate_up_kernel(
     X, W, BIAS, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, WH,
-    n_in, n_inter, up_shift, pair_stride,
+    n_in, n_inter,
     stride_x, stride_we, stride_wk, stride_wc, stride_be, stride_gu, stride_wh,
     alpha, limit,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Gate column n of the weight is c = n·pair_stride, up column n is c + up_shift: (1, I) for
-    # concatenated [gate | up], (2, 1) for interleaved pairs.
+    # Interleaved weights give one [BLOCK_K, 2·BLOCK_N] tile of (gate, up) pairs per step, split
+    # after the loop; concatenated ones a gate tile and an up tile, n_inter columns apart.
     n_blocks = tl.cdiv(n_inter, BLOCK_N)
     pid_m = tl.program_id(0) // n_blocks
+    pid_n = tl.program_id(0) % n_blocks
     expert, rows, tokens, row_mask = _row_tile(TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, pid_m, BLOCK_M)
     if expert < 0:
         return
-    cols = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_inter
-    gate_cols = cols * pair_stride
+    cols, col_mask = _pair_columns(pid_n, n_inter, INTERLEAVED, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
-    w_base = W + expert.to(tl.int64) * stride_we
-    wg_ptrs = w_base + ks[:, None] * stride_wk + gate_cols[None, :] * stride_wc
-    wu_ptrs = wg_ptrs + up_shift * stride_wc
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wc
+    acc = tl.zeros((BLOCK_M, cols.shape[0]), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         k_mask = ks < n_in - k0
         a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
-        acc_gate = _dot(a, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_gate, PRECISION)
-        acc_up = _dot(a, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_up, PRECISION)
+        acc = _dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, PRECISION)
+        if not INTERLEAVED:
+            acc_up = _dot(a, tl.load(w_ptrs + n_inter * stride_wc, mask=w_mask, other=0.0), acc_up, PRECISION)
         x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        b_ptrs = BIAS + expert * stride_be + gate_cols
-        acc_gate += tl.load(b_ptrs, mask=col_mask, other=0.0).to(tl.float32)
-        acc_up += tl.load(b_ptrs + up_shift, mask=col_mask, other=0.0).to(tl.float32)
+        w_ptrs += BLOCK_K * stride_wk
+    b_ptrs = BIAS + expert * stride_be + cols
+    gu_ptrs = GATE_UP + rows[:, None] * stride_gu + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
-    gu_ptrs = GATE_UP + rows[:, None] * stride_gu + gate_cols[None, :]
-    tl.store(gu_ptrs, acc_gate.to(GATE_UP.dtype.element_ty), mask=mask)
-    tl.store(gu_ptrs + up_shift, acc_up.to(GATE_UP.dtype.element_ty), mask=mask)
-    wh = _gate_math(acc_gate, acc_up, ACTIVATION, alpha, limit) * tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
-    tl.store(WH + rows[:, None] * stride_wh + cols[None, :], wh.to(WH.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        acc += tl.load(b_ptrs, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(gu_ptrs, acc.to(GATE_UP.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        gate, up = _split_pairs(acc, BLOCK_M, BLOCK_N)
+    else:
+        if HAS_BIAS:
+            acc_up += tl.load(b_ptrs + n_inter, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(gu_ptrs + n_inter, acc_up.to(GATE_UP.dtype.element_ty), mask=mask)
+        gate, up = acc, acc_up
+    features = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    scale = tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
+    wh = _gate_math(gate, up, ACTIVATION, alpha, limit) * scale
+    tl.store(WH + rows[:, None] * stride_wh + features[None, :], wh.to(WH.dtype.element_ty),
+             mask=row_mask[:, None] & (features < n_inter)[None, :])
 
 
 @triton.jit
@@ -176,10 +204,10 @@ def moe_scatter_kernel(
 @triton.jit
 def moe_down_bwd_kernel(
     DY, W, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, D_SCALE_PARTS,
-    n_rows, n_hidden, n_inter, up_shift, pair_stride,
+    n_rows, n_hidden, n_inter,
     stride_dy, stride_we, stride_wk, stride_wn, stride_gu,
     alpha, limit,
-    ACTIVATION: tl.constexpr, PRECISION: tl.constexpr,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     n_blocks = tl.cdiv(n_inter, BLOCK_N)
@@ -202,9 +230,14 @@ def moe_down_bwd_kernel(
         dy_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     mask = row_mask[:, None] & col_mask[None, :]
-    gate_ptrs = GATE_UP + rows[:, None] * stride_gu + (cols * pair_stride)[None, :]
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + up_shift, mask=mask, other=0.0).to(tl.float32)
+    pair_cols, pair_mask = _pair_columns(pid_n, n_inter, INTERLEAVED, BLOCK_N)
+    gu_ptrs = GATE_UP + rows[:, None] * stride_gu + pair_cols[None, :]
+    gu_mask = row_mask[:, None] & pair_mask[None, :]
+    if INTERLEAVED:
+        gate, up = _split_pairs(tl.load(gu_ptrs, mask=gu_mask, other=0.0).to(tl.float32), BLOCK_M, BLOCK_N)
+    else:
+        gate = tl.load(gu_ptrs, mask=gu_mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptrs + n_inter, mask=gu_mask, other=0.0).to(tl.float32)
     scale = tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
     if ACTIVATION == "clamped":
         d_gate, d_up, h = swiglu_clamped_grads(gate, up, g * scale, alpha, limit)
@@ -214,8 +247,11 @@ def moe_down_bwd_kernel(
         d_up = g * scale * act
         d_gate = g * scale * up * act_grad
     # Each program reads its own tile of gate_up before overwriting it with the gradient.
-    tl.store(gate_ptrs, d_gate.to(GATE_UP.dtype.element_ty), mask=mask)
-    tl.store(gate_ptrs + up_shift, d_up.to(GATE_UP.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        tl.store(gu_ptrs, _join_pairs(d_gate, d_up, BLOCK_M, BLOCK_N).to(GATE_UP.dtype.element_ty), mask=gu_mask)
+    else:
+        tl.store(gu_ptrs, d_gate.to(GATE_UP.dtype.element_ty), mask=gu_mask)
+        tl.store(gu_ptrs + n_inter, d_up.to(GATE_UP.dtype.element_ty), mask=gu_mask)
     # This column block's share of dw_r = g_r · h_r, summed over the blocks after (no atomics:
     # every (block, row) is written once).
     tl.store(D_SCALE_PARTS + pid_n * n_rows + rows, tl.sum(tl.where(mask, g * h, 0.0), axis=1), mask=row_mask)
@@ -358,12 +394,11 @@ def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[to
 class _Layout:
     """Strides of the experts' weights as the kernels read them (see the module docstring)."""
 
-    def __init__(self, gate_up_proj, down_proj, transposed, interleaved):
+    def __init__(self, gate_up_proj, down_proj, transposed):
         n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
         gate_up_in, gate_up_cols = (1, 2) if transposed else (2, 1)  # the dims of H and of 2I
         down_in, down_out = (1, 2) if transposed else (2, 1)  # the dims of I and of H
         self.n_inter = n_inter
-        self.up_shift, self.pair_stride = (1, 2) if interleaved else (n_inter, 1)
         # gate_up_proj as [E, H (k), 2I (c)] and its transpose [E, 2I (k), H (n)]
         self.gate_up_kc = (gate_up_proj.stride(0), gate_up_proj.stride(gate_up_in), gate_up_proj.stride(gate_up_cols))
         self.gate_up_cn = (gate_up_proj.stride(0), gate_up_proj.stride(gate_up_cols), gate_up_proj.stride(gate_up_in))
@@ -434,7 +469,7 @@ def moe_fwd(
     docstring); the routing is :func:`routing`'s, ``row_weight [S]`` fp32 the routing weight of
     each sorted row."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
-    layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
+    layout = _Layout(gate_up_proj, down_proj, transposed)
     tiles = _tiles(x.dtype)
     n_tokens, n_hidden = x.shape
     n_rows, n_inter = row_token.numel(), layout.n_inter
@@ -444,10 +479,11 @@ def moe_fwd(
     config = tiles["gate_up"]
     moe_gate_up_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
         x, gate_up_proj, bias, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, wh,
-        n_hidden, n_inter, layout.up_shift, layout.pair_stride,
+        n_hidden, n_inter,
         x.stride(0), *layout.gate_up_kc, stride_bias, gate_up.stride(0), wh.stride(0),
         alpha, limit,
-        ACTIVATION=_ACTIVATION[gate], HAS_BIAS=stride_bias != 0, PRECISION=_precision(x.dtype),
+        ACTIVATION=_ACTIVATION[gate], INTERLEAVED=interleaved, HAS_BIAS=stride_bias != 0,
+        PRECISION=_precision(x.dtype),
         BLOCK_M=tiles["block_m"], **config,
     )
     # Each pair's weighted row lands at t·k + j; the k rows of a token are then summed in fp32
@@ -478,7 +514,7 @@ def moe_bwd(
     for is an empty tensor. ``gate_up`` is overwritten with its gradient. ``d_row_weight [S]`` fp32
     leaves out the down bias's term ``dy_t · b2_e``."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
-    layout = _Layout(gate_up_proj, down_proj, transposed, interleaved)
+    layout = _Layout(gate_up_proj, down_proj, transposed)
     tiles = _tiles(dy.dtype)
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
@@ -486,10 +522,11 @@ def moe_bwd(
     d_row_weight = row_weight.new_empty((triton.cdiv(n_inter, config["BLOCK_N"]), row_weight.numel()))
     moe_down_bwd_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
         dy, down_proj, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, d_row_weight,
-        row_weight.numel(), n_hidden, n_inter, layout.up_shift, layout.pair_stride,
+        row_weight.numel(), n_hidden, n_inter,
         dy.stride(0), *layout.down_out_in, gate_up.stride(0),
         alpha, limit,
-        ACTIVATION=_ACTIVATION[gate], PRECISION=_precision(dy.dtype), BLOCK_M=tiles["block_m"], **config,
+        ACTIVATION=_ACTIVATION[gate], INTERLEAVED=interleaved, PRECISION=_precision(dy.dtype),
+        BLOCK_M=tiles["block_m"], **config,
     )
     none = dy.new_empty((0,))
     d_down = none
