@@ -113,9 +113,11 @@ def _pair_columns(pid_n, n_inter, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constex
     ``n_inter`` further)."""
     if INTERLEAVED:
         cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        return cols, cols < 2 * n_inter
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return cols, cols < n_inter
+        mask = cols < 2 * n_inter
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_inter
+    return cols, mask
 
 
 @triton.jit
