@@ -10,16 +10,21 @@ Three levels, as fine as you need::
     model = LlamaForCausalLM(config)
 
 Each family is a row of :data:`tigon.transformers.families.FAMILIES`; the loss path shared by all
-causal LMs is :mod:`tigon.transformers.causal_lm`. Tested with transformers 5.17.
+causal LMs is :mod:`tigon.transformers.causal_lm`. Importing this package registers tigon's fused
+MoE experts as transformers' ``experts_implementation="tigon"`` (:mod:`tigon.transformers.moe`),
+which the patchers set on the MoE families' models. Tested with transformers 5.17.
 """
 
 from __future__ import annotations
 
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tigon.transformers.families import FAMILIES, Family, Mlp, Norm, Rope
+from tigon.transformers import moe
+from tigon.transformers.families import FAMILIES, Experts, Family, Mlp, Norm, Rope
 from tigon.transformers.kernel_hub import export_kernels, kernel_config
 from tigon.transformers.patching import LAYER_FLAGS, base_model, family_patcher
+
+moe.register()
 
 # apply_tigon_to_llama, apply_tigon_to_qwen2_vl, ...: one patcher per row of the table.
 PATCHERS = {model_type: family_patcher(model_type) for model_type in FAMILIES}
@@ -28,6 +33,7 @@ globals().update({patcher.__name__: patcher for patcher in PATCHERS.values()})
 __all__ = [
     "AutoTigonForCausalLM",
     "AutoTigonForImageTextToText",
+    "Experts",
     "FAMILIES",
     "Family",
     "Mlp",
@@ -46,8 +52,8 @@ FLAGS = (*LAYER_FLAGS, "cross_entropy", "fused_linear_cross_entropy", "lora")
 def apply_tigon(model, **flags):
     """Patch ``model`` in place with its family's patcher, chosen by ``model.config.model_type``.
 
-    ``flags`` are the patcher's (e.g. ``swiglu=False``, ``rope=False``). Returns ``model``. Raises
-    ``ValueError`` for a family tigon does not support.
+    ``flags`` are the patcher's (e.g. ``swiglu=False``, ``rope=False``, ``experts=False``).
+    Returns ``model``. Raises ``ValueError`` for a family tigon does not support.
     """
     model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
     if model_type not in PATCHERS:

@@ -1,11 +1,11 @@
 """The patch table: one row per Hugging Face model family, naming what tigon replaces.
 
 A row says where things live in the family's modeling module and how its layers differ, as
-sub-rows of three kinds: the norms (:class:`Norm`), the MLPs (:class:`Mlp`) and the rotary
-functions (:class:`Rope`), each naming a class or function of the module (looked up when a patch
-is applied, so a renamed one fails with a clear error rather than at import) and which of tigon's
-kernel variants computes it. The loss settings (logit softcap, scaling, the MoE router loss) are
-config fields of the row's head class. The patching code, the layers and the causal-LM loss
+sub-rows of four kinds: the norms (:class:`Norm`), the MLPs (:class:`Mlp`), the rotary functions
+(:class:`Rope`) and the mixture-of-experts experts (:class:`Experts`), each naming a class or
+function of the module (looked up when a patch is applied, so a renamed one fails with a clear
+error rather than at import) and which of tigon's kernel variants computes it. The loss settings
+(logit softcap, scaling, the MoE router loss) are config fields of the row's head class. The patching code, the layers and the causal-LM loss
 wrapper are shared by all; adding a family is adding a row.
 
 Vision-language models are composed: a row patches the layers of its own module, and a model
@@ -86,6 +86,21 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts experts class, which transformers dispatches on its config's
+    ``experts_implementation`` (it is decorated ``use_experts_implementation``): its models get
+    ``"tigon"``, :func:`tigon.functional.moe_experts` (see :mod:`tigon.transformers.moe` for the
+    gates and layouts it computes).
+
+    Attributes:
+        name: the class in the family's modeling module.
+    """
+
+    name: str
+    flag = "experts"
+
+
+@dataclass(frozen=True)
 class Family:
     """Where a family's layers live, and its loss settings.
 
@@ -94,7 +109,7 @@ class Family:
         module: the modeling module, e.g. ``transformers.models.llama.modeling_llama``.
         head: the ``...ForCausalLM`` or ``...ForConditionalGeneration`` class whose forward gets
             tigon's loss, or ``None`` (a vision tower, patched inside the model that holds it).
-        norms, mlps, ropes: the sub-rows.
+        norms, mlps, ropes, experts: the sub-rows.
         logit_softcap: text-config field of a final ``cap · tanh(logits / cap)``.
         logit_divisor: text-config field the logits are divided by (Granite's ``logits_scaling``).
         logit_multiplier: text-config field the logits are multiplied by (Falcon-H1, MuseGlimmer).
@@ -108,13 +123,14 @@ class Family:
     norms: tuple[Norm, ...] = ()
     mlps: tuple[Mlp, ...] = ()
     ropes: tuple[Rope, ...] = (Rope(),)
+    experts: tuple[Experts, ...] = ()
     logit_softcap: str | None = None
     logit_divisor: str | None = None
     logit_multiplier: str | None = None
     aux_loss_coef: str | None = None
 
     def sub_rows(self):
-        return (*self.norms, *self.mlps, *self.ropes)
+        return (*self.norms, *self.mlps, *self.ropes, *self.experts)
 
 
 def _module(package: str, name: str | None = None) -> str:
@@ -192,7 +208,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "gemma4_text", _module("gemma4"), "Gemma4ForCausalLM",
             norms=(Norm("Gemma4RMSNorm", eps="eps", casting="gemma"),), mlps=(Mlp("Gemma4TextMLP", gate="geglu"),),
-            ropes=(Rope(form="single"),), **_SOFTCAP,
+            ropes=(Rope(form="single"),), experts=(Experts("Gemma4TextExperts"),), **_SOFTCAP,
         ),
         # Nemotron: LayerNorm with (1 + weight), and a squared-ReLU MLP without a gate.
         Family(
@@ -208,7 +224,7 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "qwen3_next", _module("qwen3_next"), "Qwen3NextForCausalLM", norms=_qwen3_next_norms("Qwen3Next"),
-            mlps=(Mlp("Qwen3NextMLP"),), **_ROUTER_LOSS,
+            mlps=(Mlp("Qwen3NextMLP"),), experts=(Experts("Qwen3NextExperts"),), **_ROUTER_LOSS,
         ),
         Family(
             "qwen3_5_text", _module("qwen3_5"), "Qwen3_5ForCausalLM", norms=_qwen3_next_norms("Qwen3_5"),
@@ -218,32 +234,39 @@ FAMILIES: dict[str, Family] = {
         Family(
             "deepseek_v2", _module("deepseek_v2"), "DeepseekV2ForCausalLM", norms=(Norm("DeepseekV2RMSNorm"),),
             mlps=(Mlp("DeepseekV2MLP"),), ropes=(Rope("apply_rotary_emb", form="complex_bhtd"),),
+            experts=(Experts("DeepseekV2Experts"),),
         ),
         Family(
             "deepseek_v3", _module("deepseek_v3"), "DeepseekV3ForCausalLM", norms=(Norm("DeepseekV3RMSNorm"),),
             mlps=(Mlp("DeepseekV3MLP"),),
             ropes=(Rope(), Rope("apply_rotary_pos_emb_interleave", form="deepseek_interleave")),
+            experts=(Experts("DeepseekV3Experts"),),
         ),
-        # DeepSeek V4's MLP clamps gate and up before SiLU: not patched.
+        # DeepSeek V4's MLP and experts clamp gate and up before SiLU: not patched.
         Family(
             "deepseek_v4", _module("deepseek_v4"), "DeepseekV4ForCausalLM",
             norms=(Norm("DeepseekV4RMSNorm"), Norm("DeepseekV4UnweightedRMSNorm", eps="eps")),
             ropes=(Rope(form="deepseek_v4"),), **_ROUTER_LOSS,
         ),
-        # Mixture-of-experts text models: the experts keep their own forward (GPT-OSS's gate is
-        # patched); dense layers' MLPs and shared experts are patched.
-        Family("mixtral", _module("mixtral"), "MixtralForCausalLM", norms=(Norm("MixtralRMSNorm"),), **_ROUTER_LOSS),
-        _llama_like("qwen3_moe", "Qwen3Moe", **_ROUTER_LOSS),
-        _llama_like("glm4_moe", "Glm4Moe"),
-        _llama_like("hunyuan_v1_moe", "HunYuanMoEV1"),
+        # Mixture-of-experts text models: the experts by tigon's fused kernel, through transformers'
+        # experts interface (GPT-OSS's gate is also patched, for when they run another one); dense
+        # layers' MLPs and shared experts are patched.
+        Family(
+            "mixtral", _module("mixtral"), "MixtralForCausalLM", norms=(Norm("MixtralRMSNorm"),),
+            experts=(Experts("MixtralExperts"),), **_ROUTER_LOSS,
+        ),
+        _llama_like("qwen3_moe", "Qwen3Moe", experts=(Experts("Qwen3MoeExperts"),), **_ROUTER_LOSS),
+        _llama_like("glm4_moe", "Glm4Moe", experts=(Experts("Glm4MoeExperts"),)),
+        _llama_like("hunyuan_v1_moe", "HunYuanMoEV1", experts=(Experts("HunYuanMoEV1Experts"),)),
         Family(
             "qwen3_5_moe_text", _module("qwen3_5_moe"), "Qwen3_5MoeForCausalLM",
-            norms=_qwen3_next_norms("Qwen3_5Moe"), mlps=(Mlp("Qwen3_5MoeMLP"),), **_ROUTER_LOSS,
+            norms=_qwen3_next_norms("Qwen3_5Moe"), mlps=(Mlp("Qwen3_5MoeMLP"),),
+            experts=(Experts("Qwen3_5MoeExperts"),), **_ROUTER_LOSS,
         ),
         Family(
             "gpt_oss", _module("gpt_oss"), "GptOssForCausalLM", norms=(Norm("GptOssRMSNorm", **_FP32_SCALED_NORM),),
             mlps=(Mlp("GptOssExperts", layout="experts", gate="swiglu_clamped"),), ropes=(Rope(form="half_table"),),
-            **_ROUTER_LOSS,
+            experts=(Experts("GptOssExperts"),), **_ROUTER_LOSS,
         ),
         # Vision towers, patched inside the vision-language models that hold them.
         Family(
@@ -273,7 +296,7 @@ FAMILIES: dict[str, Family] = {
             "gemma4", _module("gemma4"), "Gemma4ForConditionalGeneration",
             norms=(Norm("Gemma4RMSNorm", eps="eps", casting="gemma"),),
             mlps=(Mlp("Gemma4TextMLP", gate="geglu"), Mlp("Gemma4VisionMLP", gate="geglu")),
-            ropes=(Rope(form="single"),), **_SOFTCAP,
+            ropes=(Rope(form="single"),), experts=(Experts("Gemma4TextExperts"),), **_SOFTCAP,
         ),
         Family(
             "llama4", _module("llama4"), "Llama4ForConditionalGeneration",
@@ -307,7 +330,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen3_vl_moe", _module("qwen3_vl_moe"), "Qwen3VLMoeForConditionalGeneration",
             norms=(Norm("Qwen3VLMoeTextRMSNorm"), _TORCH_LAYER_NORM), mlps=(Mlp("Qwen3VLMoeTextMLP"),),
-            **_ROUTER_LOSS,
+            experts=(Experts("Qwen3VLMoeTextExperts"),), **_ROUTER_LOSS,
         ),
         Family(
             "qwen3_5", _module("qwen3_5"), "Qwen3_5ForConditionalGeneration",
@@ -316,7 +339,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "qwen3_5_moe", _module("qwen3_5_moe"), "Qwen3_5MoeForConditionalGeneration",
             norms=(*_qwen3_next_norms("Qwen3_5Moe"), _TORCH_LAYER_NORM), mlps=(Mlp("Qwen3_5MoeMLP"),),
-            **_ROUTER_LOSS,
+            experts=(Experts("Qwen3_5MoeExperts"),), **_ROUTER_LOSS,
         ),
         # GLM-4V rotates interleaved pairs, each feature by its own entry of the table.
         Family(
@@ -326,7 +349,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             "glm4v_moe", _module("glm4v_moe"), "Glm4vMoeForConditionalGeneration",
             norms=(Norm("Glm4vMoeTextRMSNorm"), Norm("Glm4vMoeRMSNorm")),
-            mlps=(Mlp("Glm4vMoeTextMLP"), Mlp("Glm4vMoeisionMlp")), **_ROUTER_LOSS,
+            mlps=(Mlp("Glm4vMoeTextMLP"), Mlp("Glm4vMoeisionMlp")), experts=(Experts("Glm4vMoeTextExperts"),),
+            **_ROUTER_LOSS,
         ),
     )
 }

@@ -190,13 +190,18 @@ def check_activation(layer, tigon_class=None) -> None:
     if tigon_class.gate not in GATE_ACTIVATIONS:
         return
     activation = next((getattr(layer, name) for name in ACTIVATION_ATTRIBUTES if hasattr(layer, name)), None)
-    names = GATE_ACTIVATIONS[tigon_class.gate]
-    if not isinstance(activation, tuple(type(ACT2FN[name]) for name in names)):
+    if not gate_computes(tigon_class.gate, activation):
         raise ValueError(
-            f"tigon's {tigon_class.gate} kernel computes {' / '.join(names)}, but this model's "
-            f"{tigon_class.tigon_replaces.__name__} uses {type(activation).__name__}: "
+            f"tigon's {tigon_class.gate} kernel computes {' / '.join(GATE_ACTIVATIONS[tigon_class.gate])}, but this "
+            f"model's {tigon_class.tigon_replaces.__name__} uses {type(activation).__name__}: "
             f"patch with {tigon_class.gate}=False"
         )
+
+
+def gate_computes(gate: str, activation) -> bool:
+    """Whether the ``gate`` kernel (a key of :data:`GATE_ACTIVATIONS`) computes ``activation``, an
+    activation module built by Hugging Face's ``ACT2FN``."""
+    return isinstance(activation, tuple(type(ACT2FN[name]) for name in GATE_ACTIVATIONS[gate]))
 
 
 # The rotary functions of Hugging Face's modeling modules, one drop-in per signature and pair

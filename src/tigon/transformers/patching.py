@@ -15,6 +15,10 @@ Two ways, one table:
   global name, so this path patches that module-level function as well: every model of the
   family in the process then uses tigon's RoPE (same math).
 
+Either way, each mixture-of-experts experts module that a row names is checked and its config's
+``experts_implementation`` becomes ``"tigon"`` (:mod:`tigon.transformers.moe`): on a built model
+at once, and on each model built after a module is patched by its head's ``post_init``.
+
 Patches accumulate and are idempotent; there is no unpatching.
 """
 
@@ -27,7 +31,7 @@ import types
 
 import transformers
 
-from tigon.transformers import layers
+from tigon.transformers import layers, moe
 from tigon.transformers.causal_lm import hook_head_loss, output_embeddings, wrap_causal_lm_forward
 from tigon.transformers.families import FAMILIES, Family, Norm
 from tigon.transformers.lora import patch_peft
@@ -35,7 +39,7 @@ from tigon.transformers.lora import patch_peft
 _DERIVED: dict[tuple[type, type], type] = {}
 _NORM_MIXINS = {"rms": layers.TigonRMSNorm, "rms_gated": layers.TigonGatedRMSNorm, "layer": layers.TigonLayerNorm}
 # The layer flags every patcher takes; a sub-row is applied when its flag is true.
-LAYER_FLAGS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu", "relu2")
+LAYER_FLAGS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu", "relu2", "experts")
 
 
 def tigon_class(original: type, mixin: type, **settings) -> type:
@@ -99,6 +103,14 @@ def _rope_patches(family: Family, module, flags: dict[str, bool]):
     return patches
 
 
+def _experts_classes(family: Family, module, flags: dict[str, bool]) -> list[type]:
+    """The experts classes of ``family`` (as Hugging Face wrote them), where the flag is on."""
+    if not flags["experts"]:
+        return []
+    found = [_lookup(module, row.name, "experts class", row.flag) for row in family.experts]
+    return [getattr(experts_class, "tigon_replaces", experts_class) for experts_class in found]
+
+
 def base_model(model):
     """The Hugging Face model inside ``model`` (itself, or the model a PEFT wrapper adapts)."""
     while hasattr(model, "get_base_model"):
@@ -120,22 +132,30 @@ def families_in(model, family: Family) -> list[Family]:
 def patch_layers(model, family: Family, flags: dict[str, bool]) -> None:
     """Patch in place the layers of ``model`` that ``family`` and its sub-models' rows name: each
     norm and MLP instance changes class (``module.__class__``), keeping its parameters, device and
-    dtype; each rotary function is replaced in its modeling module."""
+    dtype; each rotary function is replaced in its modeling module; each experts module runs on
+    tigon's experts kernel (its config's ``experts_implementation``)."""
     tigon_of = {}
     rope_patches = []
+    experts_classes = []
     for row_family in families_in(model, family):
         module = _modeling_module(row_family)
         tigon_of.update((original, tigon) for _, original, tigon in _class_patches(row_family, module, flags))
         rope_patches += [(module, name, function) for name, function in _rope_patches(row_family, module, flags)]
+        experts_classes += _experts_classes(row_family, module, flags)
     changes = [(layer, tigon_of[type(layer)]) for layer in model.modules() if type(layer) in tigon_of]
-    # Every MLP is checked before any layer changes: a refused model is left as it was.
+    experts = [layer for layer in model.modules() if isinstance(layer, tuple(experts_classes))]
+    # Every MLP and experts module is checked before any layer changes: a refused model is left as it was.
     for layer, tigon in changes:
         if issubclass(tigon, layers.TigonMLP):
             layers.check_activation(layer, tigon)
+    for layer in experts:
+        moe.experts_kernel(layer)
     for layer, tigon in changes:
         layer.__class__ = tigon
     for module, name, function in rope_patches:
         setattr(module, name, function)
+    for layer in experts:
+        moe.use_tigon_experts(layer)
     layers.follow_gradient_checkpointing(model)
 
 
@@ -154,6 +174,7 @@ def apply_family(
     module = _modeling_module(family)
     class_patches = _class_patches(family, module, flags)
     rope_patches = _rope_patches(family, module, flags)
+    _experts_classes(family, module, flags)  # a renamed one fails now, not when a model is built
     head = _lookup(module, family.head, "head class", "fused_linear_cross_entropy") if family.head else None
     if lora:
         patch_peft()
@@ -202,8 +223,8 @@ def patch_after_init(post_init, family: Family, flags: dict[str, bool], loss: st
 
 def family_patcher(model_type: str):
     """``apply_tigon_to_<family>(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
-    geglu=True, relu2=True, cross_entropy=False, fused_linear_cross_entropy=True, lora=True,
-    model=None)`` for one row of the table."""
+    geglu=True, relu2=True, experts=True, cross_entropy=False, fused_linear_cross_entropy=True,
+    lora=True, model=None)`` for one row of the table."""
     family = FAMILIES[model_type]
     defaults = {
         **dict.fromkeys(LAYER_FLAGS, True), "cross_entropy": False, "fused_linear_cross_entropy": True, "lora": True,
@@ -235,9 +256,12 @@ def family_patcher(model_type: str):
         rope: tigon's rotary embedding kernel in place of the rotary functions.
         rms_norm, layer_norm: tigon's norms in place of the RMSNorm and LayerNorm classes.
         swiglu, geglu, relu2: the MLP activations, fused, where the MLP uses that activation.
+        experts: the mixture-of-experts experts by tigon's fused kernel (transformers'
+            ``experts_implementation="tigon"``); ``False`` keeps the model's own.
         cross_entropy: in training with labels, tigon's cross entropy on the logits.
         fused_linear_cross_entropy: in training with labels, the loss straight from the hidden
             states and lm_head's weight, never building the logits (``logits=None`` is returned).
+        lora: PEFT's LoRA layers through tigon's fused LoRA kernels.
         model: a built model to patch in place, or ``None``.
     """
     return patch

@@ -1,0 +1,134 @@
+"""tigon as transformers' experts implementation ``"tigon"``: MoE experts by one fused kernel.
+
+transformers 5.17 runs the experts of a mixture-of-experts layer through the class decorator
+``use_experts_implementation``: the decorated class's ``forward(hidden_states [T, H], top_k_index
+[T, k], top_k_weights [T, k])`` calls the function that ``ALL_EXPERTS_FUNCTIONS`` holds under the
+module's ``config._experts_implementation`` (``"grouped_mm"`` by default). Importing
+:mod:`tigon.transformers` registers :func:`experts_forward` there as ``"tigon"`` (:func:`register`),
+which computes the experts by :func:`tigon.functional.moe_experts`; then::
+
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="tigon")
+    model.config._experts_implementation = "tigon"       # or on a model already built
+
+and :func:`~tigon.transformers.apply_tigon` sets it on the models of every family whose row of
+the table lists its experts class (:class:`~tigon.transformers.families.Experts`; flag
+``experts``, on by default).
+
+The kernel reads the module as transformers' ``grouped_mm`` does: ``gate_up_proj`` and
+``down_proj`` (and, with ``has_bias``, ``gate_up_proj_bias`` and ``down_proj_bias``) in the layout
+the decorator declares (``is_transposed``, ``is_concatenated``), and the gate of the class's
+``_apply_gate``, which it computes exactly for:
+
+- transformers' default gate, ``act_fn(gate) · up`` over ``[gate | up]`` columns, with a SiLU
+  (``"swiglu"``) or tanh-GELU (``"geglu"``) ``act_fn``;
+- GPT-OSS's clamped SwiGLU over interleaved ``[g0, u0, g1, u1, …]`` columns, with the module's
+  ``alpha`` and ``limit``: the gate of the table's ``Mlp(layout="experts")`` rows, as Hugging Face
+  wrote it or as :class:`~tigon.transformers.layers.TigonClampedSwiGLUExperts` replaces it.
+
+Anything else is refused with a ``ValueError`` saying what (:func:`experts_kernel`): experts
+without a gate (``has_gate=False``), another activation, a class's own ``_apply_gate`` (DeepSeek
+V4's clamps gate and up), a gate reading other columns than ``is_concatenated`` declares. There
+is no silent fallback to ``grouped_mm``: a model asked to run tigon's experts runs them or says
+why not. ``apply_tigon`` checks every experts module before it changes anything (``experts=False``
+keeps the model's own implementation); set directly on a config, the first forward raises.
+
+Inputs as ``grouped_mm`` takes them: ``hidden_states`` in another dtype than the weights (under
+autocast) is cast to theirs and the output cast back; the routing weights may be of any float
+dtype and get their gradient. Expert parallelism's sentinel ids (``>= E``) are refused by
+:func:`~tigon.functional.moe_experts`'s check.
+"""
+
+from __future__ import annotations
+
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+
+from tigon import functional as F
+from tigon.transformers import layers
+from tigon.transformers.families import FAMILIES
+
+IMPLEMENTATION = "tigon"
+# The gates an experts module's act_fn may select under transformers' default gate.
+ACTIVATION_GATES = ("swiglu", "geglu")
+
+
+def _qualified_name(function) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+# GPT-OSS's clamped SwiGLU over interleaved columns, by the qualified name of the `_apply_gate`
+# computing it: the experts classes whose gate the table replaces, and tigon's replacement.
+CLAMPED_GATES = frozenset(
+    (
+        _qualified_name(layers.MLP_LAYOUTS["experts"]._apply_gate),
+        *(
+            f"{family.module}.{row.name}._apply_gate"
+            for family in FAMILIES.values() for row in family.mlps if row.layout == "experts"
+        ),
+    )
+)
+
+
+def experts_kernel(experts) -> dict:
+    """The options of :func:`tigon.functional.moe_experts` (``gate``, ``interleaved``, ``alpha``,
+    ``limit``) that compute ``experts``, a module of a class decorated with transformers'
+    ``use_experts_implementation``, exactly; a ``ValueError`` saying why where none does."""
+    experts_class = type(experts)
+    name = getattr(experts_class, "tigon_replaces", experts_class).__name__
+
+    def refuse(reason):
+        return ValueError(
+            f"tigon's experts kernel (experts_implementation={IMPLEMENTATION!r}) cannot compute {name}: {reason}; "
+            f"patch with experts=False, or use another experts_implementation"
+        )
+
+    if not experts.has_gate:
+        raise refuse("its experts have no gate (has_gate=False)")
+    apply_gate = experts_class._apply_gate
+    if apply_gate is _default_apply_gate:
+        activation = getattr(experts, "act_fn", None)
+        gate = next((gate for gate in ACTIVATION_GATES if layers.gate_computes(gate, activation)), None)
+        if gate is None:
+            computed = "; ".join(f"{' / '.join(layers.GATE_ACTIVATIONS[gate])} ({gate})" for gate in ACTIVATION_GATES)
+            raise refuse(f"its act_fn is {type(activation).__name__}, where the kernel computes {computed}")
+        kernel = dict(gate=gate, interleaved=False)
+    elif _qualified_name(apply_gate) in CLAMPED_GATES:
+        kernel = dict(gate="swiglu_clamped", interleaved=True, alpha=experts.alpha, limit=experts.limit)
+    else:
+        raise refuse(
+            f"its gate is its own ({apply_gate.__qualname__}), where the kernel computes transformers' default "
+            f"act_fn(gate) * up and GPT-OSS's clamped SwiGLU"
+        )
+    if experts.is_concatenated == kernel["interleaved"]:
+        columns = "interleaved" if kernel["interleaved"] else "concatenated"
+        raise refuse(
+            f"its gate reads {columns} gate and up columns, but it declares is_concatenated={experts.is_concatenated}"
+        )
+    return kernel
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts forward (``self``, a ``use_experts_implementation`` module) by
+    :func:`tigon.functional.moe_experts`: ``hidden_states [T, H]``, ``top_k_index [T, k]`` expert
+    ids and ``top_k_weights [T, k]`` routing weights → ``[T, H]`` in ``hidden_states``' dtype."""
+    kernel = experts_kernel(self)
+    dtype = self.gate_up_proj.dtype
+    output = F.moe_experts(
+        hidden_states.to(dtype), top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        gate_up_bias=self.gate_up_proj_bias if self.has_bias else None,
+        down_bias=self.down_proj_bias if self.has_bias else None,
+        transposed=self.is_transposed, **kernel,
+    )
+    return output.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Register :func:`experts_forward` in transformers' ``ALL_EXPERTS_FUNCTIONS`` as ``"tigon"``
+    (again: no change), so that ``experts_implementation="tigon"`` is accepted and dispatched."""
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+def use_tigon_experts(experts) -> None:
+    """Make ``experts`` (checked by :func:`experts_kernel`) run on tigon: its config's
+    ``experts_implementation``, which transformers reads at every forward, becomes ``"tigon"``
+    (with its sub-configs', as transformers' setter does)."""
+    experts.config._experts_implementation = IMPLEMENTATION

@@ -1,0 +1,207 @@
+"""tigon as transformers' experts implementation "tigon": the MoE families' experts by the fused
+kernel, through apply_tigon or set on the config, computing what transformers' grouped_mm does."""
+
+import importlib
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers.integrations.moe import use_experts_implementation
+
+from tigon.transformers import FAMILIES, apply_tigon, apply_tigon_to_mixtral, moe
+from tiny_family_models import tiny_family_batch, tiny_family_model
+from tiny_models import TINY, tiny_batch, tiny_model
+from utils import graph_functions, relative_error
+
+# fp32: the loss and every gradient within TIGHT of transformers' grouped_mm (a gradient that is
+# zero, as an expert no token chose, compared absolutely).
+TIGHT = 1e-5
+KERNEL = "MoEExpertsFunctionBackward"  # the node of tigon's experts in the autograd graph
+# Gemma 4's MoE block (off in the tiny family model): the tanh-GELU experts, "geglu".
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+# model_type -> options of its tiny model: SiLU experts ([E, 2I, H], a router without bias), GPT-OSS's
+# (transposed, interleaved, biased, clamped SwiGLU) and Gemma 4's.
+FAMILY_OPTIONS = {"qwen3_moe": {}, "mixtral": {}, "gpt_oss": {}, "deepseek_v3": {}, "gemma4_text": GEMMA4_MOE}
+# GPT-OSS's pre-activations in the tiny model never reach its clamp (limit 7): a small limit and
+# another alpha, set on the experts of both models, make them count (and must be the module's).
+EXPERTS_ATTRIBUTES = {"gpt_oss": dict(alpha=1.5, limit=0.05)}
+
+
+def build(model_type, **options):
+    """A fresh fp32 model of the family with its seed-0 weights."""
+    return tiny_model(model_type, **options) if model_type in TINY else tiny_family_model(model_type, **options)
+
+
+def batch_of(model_type):
+    if model_type in TINY:
+        input_ids, labels = tiny_batch()
+        return dict(input_ids=input_ids, labels=labels)
+    return tiny_family_batch(model_type)
+
+
+def loss_and_grads(model, batch):
+    """One training step's loss, its graph's functions and the gradient of every parameter that gets one."""
+    model.train()
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), graph_functions(loss), grads
+
+
+def assert_matches(run, truth):
+    (loss, _, grads), (truth_loss, _, truth_grads) = run, truth
+    assert relative_error(loss, truth_loss) <= TIGHT, "loss"
+    assert grads.keys() == truth_grads.keys() and grads
+    for name, grad in truth_grads.items():
+        assert relative_error(grads[name], grad) <= TIGHT, f"grad of {name}"
+
+
+def experts_modules(model):
+    return [module for module in model.modules() if hasattr(module, "is_transposed")]
+
+
+def experts_implementations(model):
+    return {experts.config._experts_implementation for experts in experts_modules(model)}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_OPTIONS))
+def test_patched_experts_match_grouped_mm(model_type):
+    options = FAMILY_OPTIONS[model_type]
+    plain = build(model_type, **options)
+    assert experts_implementations(plain) == {"grouped_mm"}
+    patched = build(model_type, **options)
+    patched.load_state_dict(plain.state_dict())
+    apply_tigon(patched)
+    assert experts_implementations(patched) == {"tigon"}
+    for experts in (*experts_modules(plain), *experts_modules(patched)):
+        for name, value in EXPERTS_ATTRIBUTES.get(model_type, {}).items():
+            setattr(experts, name, value)
+    batch = batch_of(model_type)
+    truth, run = loss_and_grads(plain, batch), loss_and_grads(patched, batch)
+    assert KERNEL in run[1] and KERNEL not in truth[1]
+    # The routing weights carry the loss's gradient back into the router.
+    routers = [name for name in truth[2] if ".router." in name or ".gate.weight" in name]
+    assert routers and all(truth[2][name].norm() > 0 for name in routers)
+    assert_matches(run, truth)
+
+
+# Experts classes of the table's modules that the kernel does not compute: DeepSeek V4's gate
+# clamps gate and up before SiLU.
+NOT_COMPUTED = {"DeepseekV4Experts"}
+
+
+def test_every_experts_class_is_in_the_table_with_a_gate_the_kernel_computes():
+    for family in FAMILIES.values():
+        module = importlib.import_module(family.module)
+        # use_experts_implementation gives the classes it decorates an _apply_gate.
+        decorated = {
+            name for name, value in vars(module).items()
+            if isinstance(value, type) and value.__module__ == module.__name__ and hasattr(value, "_apply_gate")
+        }
+        assert {row.name for row in family.experts} == decorated - NOT_COMPUTED, family.model_type
+        for row in family.experts:
+            gate = getattr(module, row.name)._apply_gate
+            assert gate is moe._default_apply_gate or moe._qualified_name(gate) in moe.CLAMPED_GATES, row.name
+
+
+def test_experts_implementation_set_without_apply_tigon(tmp_path):
+    plain = build("qwen3_moe")
+    batch = batch_of("qwen3_moe")
+    truth = loss_and_grads(plain, batch)
+    plain.save_pretrained(tmp_path)
+    # Loaded with it: importing tigon.transformers registered "tigon".
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="tigon")
+    assert experts_implementations(loaded) == {"tigon"}
+    run = loss_and_grads(loaded, batch)
+    assert KERNEL in run[1]
+    assert_matches(run, truth)
+    # Set on a built model's config.
+    model = build("qwen3_moe")
+    model.config._experts_implementation = "tigon"
+    run = loss_and_grads(model, batch)
+    assert KERNEL in run[1]
+    assert_matches(run, truth)
+
+
+def test_experts_flag_off_keeps_grouped_mm():
+    model = apply_tigon(build("qwen3_moe"), experts=False)
+    assert experts_implementations(model) == {"grouped_mm"}
+    assert KERNEL not in loss_and_grads(model, batch_of("qwen3_moe"))[1]
+
+
+def test_models_built_after_the_module_is_patched_use_tigon():
+    truth = loss_and_grads(build("mixtral"), batch_of("mixtral"))
+    apply_tigon_to_mixtral(experts=False)
+    assert experts_implementations(build("mixtral")) == {"grouped_mm"}
+    apply_tigon_to_mixtral()
+    model = build("mixtral")
+    assert experts_implementations(model) == {"tigon"}
+    run = loss_and_grads(model, batch_of("mixtral"))
+    assert KERNEL in run[1]
+    assert_matches(run, truth)
+
+
+def test_gradient_checkpointing():
+    batch = batch_of("qwen3_moe")
+    truth = loss_and_grads(build("qwen3_moe"), batch)
+    model = apply_tigon(build("qwen3_moe"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run = loss_and_grads(model, batch)
+    assert KERNEL in run[1]
+    assert_matches(run, truth)
+
+
+def test_peft_lora_on_attention_with_frozen_experts():
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    def lora_model():
+        model = build("qwen3_moe")
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, lora)
+
+    batch = batch_of("qwen3_moe")
+    truth = loss_and_grads(lora_model(), batch)
+    model = apply_tigon(lora_model())
+    assert experts_implementations(model) == {"tigon"}
+    run = loss_and_grads(model, batch)
+    assert KERNEL in run[1]
+    # Only the adapters train; their gradient reaches them through the frozen experts.
+    assert run[2] and all("lora_" in name for name in run[2])
+    assert_matches(run, truth)
+
+
+def test_activation_the_kernel_does_not_compute_is_refused_before_patching():
+    model = build("qwen3_moe", hidden_act="gelu")
+    with pytest.raises(ValueError, match="cannot compute Qwen3MoeExperts: its act_fn is GELUActivation.*experts=False"):
+        apply_tigon(model, swiglu=False)
+    # Refused as a whole: no layer was patched, the experts keep grouped_mm.
+    assert not any(hasattr(type(module), "tigon_replaces") for module in model.modules())
+    assert experts_implementations(model) == {"grouped_mm"}
+
+
+@use_experts_implementation(has_gate=False)
+class UngatedExperts(nn.Module):
+    """NemotronH's kind: ``down(act(up(x)))``, no gate."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = 4
+        self.up_proj = nn.Parameter(torch.randn(4, 16, 8))
+        self.down_proj = nn.Parameter(torch.randn(4, 8, 16))
+        self.act_fn = nn.ReLU()
+
+
+def test_experts_the_kernel_does_not_compute_are_refused_at_forward():
+    hidden_states, top_k_index, top_k_weights = torch.randn(3, 8), torch.tensor([[0, 1]] * 3), torch.ones(3, 2)
+    config = transformers.PretrainedConfig(experts_implementation="tigon")
+    with pytest.raises(ValueError, match="cannot compute UngatedExperts: its experts have no gate"):
+        UngatedExperts(config)(hidden_states, top_k_index, top_k_weights)
+    # DeepSeek V4's clamps gate and up in its own _apply_gate.
+    config = transformers.DeepseekV4Config(
+        hidden_size=8, intermediate_size=4, num_local_experts=4, experts_implementation="tigon"
+    )
+    experts = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts(config)
+    with pytest.raises(ValueError, match=r"cannot compute DeepseekV4Experts: its gate is its own \(DeepseekV4Experts"):
+        experts(hidden_states, top_k_index, top_k_weights)
