@@ -86,7 +86,8 @@ def test_moe_experts_16bit_within_eager_distance(dtype):
 
 def test_moe_experts_edge_cases():
     """Experts that receive no token, top-1 routing, a single token, an expert count that is not a
-    power of two, and frozen expert weights (no weight gradient, the input's still exact)."""
+    power of two, no token at all, and frozen expert weights (no weight gradient, the input's
+    still exact)."""
     layout = LAYOUTS[0]
     for shape, unused in (((23, 32, 24, 7, 2), (0, 3, 6)), ((19, 32, 24, 5, 1), ()), ((1, 32, 24, 3, 2), ())):
         inputs = _experts(shape, torch.float32, layout, unused)
@@ -97,6 +98,10 @@ def test_moe_experts_edge_cases():
             assert_close(grad, truth_grads[name], torch.float32, f"grad of {name} {shape}", 2.0)
         for expert in unused:
             assert not grads["gate_up_proj"][expert].any() and not grads["down_proj"][expert].any()
+    inputs = _experts((0, 32, 24, 3, 2), torch.float32, layout)
+    out, grads = _run(inputs, layout, tf.moe_experts)
+    assert out.shape == (0, 32) and grads["hidden_states"].shape == (0, 32)
+    assert not grads["gate_up_proj"].any() and not grads["down_proj"].any()
     inputs = _experts(SHAPES[0], torch.float32, layout)
     for name in ("gate_up_proj", "down_proj", "top_k_weights"):
         inputs[name].requires_grad_(False)

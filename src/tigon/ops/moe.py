@@ -509,7 +509,7 @@ def moe_fwd(
     # (in a fixed order: the output is deterministic) and rounded once.
     rows = x.new_empty((n_rows, n_hidden))
     _scatter("down", wh, down_proj, layout.down_in_out, down_bias, row_weight, meta, rows, n_inter)
-    return rows.view(n_tokens, -1, n_hidden).sum(dim=1), gate_up, wh
+    return rows.view(n_tokens, n_rows // max(n_tokens, 1), n_hidden).sum(dim=1), gate_up, wh
 
 
 def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, wh, row_weight, order, row_token, expert_end,
