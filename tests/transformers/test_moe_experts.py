@@ -66,15 +66,19 @@ def experts_implementations(model):
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_OPTIONS))
-def test_patched_experts_match_grouped_mm(model_type):
-    """Both models patched alike but for the experts flag: the comparison is of the experts alone
-    (the families' tests compare the rest with Hugging Face's, by their own rules on the GPU)."""
+def test_patched_experts_match_eager(model_type):
+    """Both models patched alike but for the experts, which the truth runs through transformers'
+    eager loop (one fp32 matmul per expert; its grouped_mm is off by up to 7e-4 in fp32 on the
+    H100 at GPT-OSS's layout): the comparison is of the experts alone (the families' tests
+    compare the rest with Hugging Face's, by their own rules on the GPU)."""
     options = FAMILY_OPTIONS[model_type]
     plain = build(model_type, **options)
     patched = build(model_type, **options)
     patched.load_state_dict(plain.state_dict())
     apply_tigon(plain, experts=False)
     assert experts_implementations(plain) == {"grouped_mm"}
+    for experts in experts_modules(plain):
+        experts.config._experts_implementation = "eager"
     apply_tigon(patched)
     assert experts_implementations(patched) == {"tigon"}
     for experts in (*experts_modules(plain), *experts_modules(patched)):
@@ -115,6 +119,7 @@ def test_experts_implementation_set_without_apply_tigon(tmp_path):
     plain.save_pretrained(tmp_path)
     # Loaded with it: importing tigon.transformers registered "tigon".
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="tigon")
+    loaded.to(next(plain.parameters()).device)
     assert experts_implementations(loaded) == {"tigon"}
     run = loss_and_grads(loaded, batch)
     assert KERNEL in run[1]
