@@ -10,9 +10,9 @@ expert ``e``'s ``W1_e`` (``gate_up_proj``, ``2I`` outputs) and ``W2_e`` (``down_
 computed as ``y_t = Σ_j (wh_r W2_eᵀ + w_r b2_e)`` with the weighted ``wh_r = w_r h_r``, so that the
 down projection's weight gradient needs no weighting in its inner loop.
 
-Rows are sorted by expert once (the routing metadata: ``row_token``, per-expert ``expert_end`` and
-a tile schedule), and four Triton kernels do the work; none materialises a gathered copy of ``x``
-or ``dy`` (``[S, H]``):
+Rows are sorted by expert once (the routing metadata, no host sync: ``row_token``, per-expert
+``expert_end`` and a tile schedule), and four Triton kernels do the work; none materialises a
+gathered copy of ``x`` or ``dy`` (``[S, H]``):
 
 - ``moe_gate_up_kernel``: the grouped GEMM ``gate_up = x[row_token] W1ᵀ``, gathering its rows
   straight from ``x``, with the gate and the routing weight in its epilogue; it writes ``wh [S, I]``
@@ -28,7 +28,7 @@ or ``dy`` (``[S, H]``):
       d_gate_r = dh_r · up · act'(gate),   d_up_r = dh_r · act(gate)     (over gate_up, in place)
       dw_r     = g_r · h_r (+ dy_t · b2_e)  since y_t's term is w_r · (h_r W2ᵀ + b2)
 
-  ``h`` is recomputed there from ``gate_up``.
+  ``h`` is recomputed there from ``gate_up``; ``dw`` is summed from per-column-block partials.
 - ``moe_weight_grad_kernel``: per expert, ``dW = Σ_r aᵣᵀ bᵣ`` over the expert's rows: ``dW2 =
   Σ dy_tᵀ wh_r`` and ``dW1 = Σ d_gate_upᵣᵀ x_t``, gathering ``dy`` and ``x`` by token.
 
@@ -40,8 +40,9 @@ gates: ``swiglu`` (SiLU), ``geglu`` (tanh GELU) and GPT-OSS's clamped SwiGLU.
 
 Dtypes: ``x`` and the weights share one float dtype; products accumulate in fp32 (IEEE fp32
 products for fp32 inputs, not TF32); the routing weights may be of any float dtype and their
-gradient is returned in it. A token's ``k`` rows, and ``dx``, are summed in fp32 and rounded once. FLOPs per call
-(the roofline): ``6·S·H·I`` forward and ``12·S·H·I`` backward.
+gradient is returned in it. A token's ``k`` rows, and ``dx``, are summed in fp32 and rounded
+once. FLOPs per call (the roofline): ``6·S·H·I`` forward and ``12·S·H·I`` backward; measured
+rates and what limits each kernel: docs/perf-notes/moe.md.
 """
 
 from __future__ import annotations
