@@ -184,6 +184,25 @@ def moe_gate_up_kernel(
 
 
 @triton.jit
+def _expert_matmul(A, a_rows, stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_in,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``A[a_rows] W_e[:, cols]`` in fp32, ``[BLOCK_M, BLOCK_N]``: ``a_rows`` (int64) must be valid
+    rows of ``A`` (masked rows read a valid one), ``W_e`` viewed as ``[n_in, ·]`` through strides."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows[:, None] * stride_a + ks[None, :]
+    w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        k_mask = ks < n_in - k0
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(a, w, acc, PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
 def moe_scatter_kernel(
     A, W, BIAS, ROW_SCALE, ROW_TOKEN, ROW_PAIR, TILE_EXPERT, TILE_ROW, EXPERT_END, OUT,
     n_in, n_out,
@@ -200,17 +219,11 @@ def moe_scatter_kernel(
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows[:, None] * stride_a + ks[None, :]
-    w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        k_mask = ks < n_in - k0
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _dot(a, w, acc, PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    # Rows past the expert's end (past A's last row in the last tile) read row 0.
+    acc = _expert_matmul(
+        A, tl.where(row_mask, rows, 0), stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_in,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     if HAS_BIAS:
         bias = tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc += tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None] * bias[None, :]
@@ -238,17 +251,10 @@ def moe_down_bwd_kernel(
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_inter
-    ks = tl.arange(0, BLOCK_K)
-    dy_ptrs = DY + tokens[:, None] * stride_dy + ks[None, :]
-    w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, n_hidden, BLOCK_K):
-        k_mask = ks < n_hidden - k0
-        dy = tl.load(dy_ptrs, mask=k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        g = _dot(dy, w, g, PRECISION)
-        dy_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    g = _expert_matmul(
+        DY, tokens, stride_dy, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_hidden,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     mask = row_mask[:, None] & col_mask[None, :]
     pair_cols, pair_mask = _pair_columns(pid_n, n_inter, INTERLEAVED, BLOCK_N)
     gu_ptrs = GATE_UP + rows[:, None] * stride_gu + pair_cols[None, :]
