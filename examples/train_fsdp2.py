@@ -1,7 +1,8 @@
-"""Train a tigon-patched Llama on several processes: FSDP2, DDP or DeepSpeed ZeRO-3, under torchrun.
+"""Train a tigon-patched Llama (or Qwen3-MoE) on several processes: FSDP2, DDP or DeepSpeed ZeRO-3, under torchrun.
 
 tigon asks nothing of the engine: patch the model (here ``apply_tigon_to_llama()`` before it is
-built), then wrap it as usual. In training, the fused linear cross entropy is computed at
+built), then wrap it as usual. With ``--model qwen3_moe`` the decoder layers are mixture-of-experts
+ones, whose experts run on tigon's fused kernel (FSDP2 shards the expert weights by expert). In training, the fused linear cross entropy is computed at
 ``lm_head``'s call, from its weight as the engine presents it there (unsharded by FSDP2, gathered
 by ZeRO-3); tigon never gathers a weight itself.
 
@@ -23,6 +24,7 @@ count upwards from a random start after a prompt of -100 labels), so the script 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --strategy ddp
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --strategy zero3 # examples/deepspeed_zero3.json
     python examples/train_fsdp2.py --strategy single --grad-accum 4       # the same steps in one process
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py --model qwen3_moe
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from pathlib import Path
 
 # tigon first: without a GPU it switches on Triton's interpreter, which must happen before anything
 # (transformers, DeepSpeed) loads Triton.
-from tigon.transformers import apply_tigon_to_llama  # isort: skip
+from tigon.transformers import apply_tigon_to_llama, apply_tigon_to_qwen3_moe  # isort: skip
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 STRATEGIES = ("fsdp2", "ddp", "zero3", "single")
 DEEPSPEED_CONFIG = Path(__file__).with_name("deepspeed_zero3.json")
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     parser.add_argument("--strategy", choices=STRATEGIES, default="fsdp2")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--no-tigon", dest="tigon", action="store_false", help="plain Hugging Face, for comparison")
+    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama",
+                        help="qwen3_moe: every layer a MoE of 4 experts, top-2")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=128)
@@ -92,17 +96,23 @@ def init_distributed(strategy: str) -> tuple[int, int, torch.device]:
 
 
 def build_model(args, device: torch.device):
+    moe = args.model == "qwen3_moe"
     if args.tigon:
-        # Before the model is built: its RMSNorm, SwiGLU MLP, RoPE and loss come from tigon.
-        apply_tigon_to_llama()
-    config = LlamaConfig(
+        # Before the model is built: its RMSNorm, SwiGLU MLP (or experts), RoPE and loss come from tigon.
+        (apply_tigon_to_qwen3_moe if moe else apply_tigon_to_llama)()
+    shape = dict(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=args.seq_len, tie_word_embeddings=args.tie_embeddings,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
+    if moe:
+        config = Qwen3MoeConfig(**shape, head_dim=args.hidden_size // 4, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=args.hidden_size)
+    else:
+        config = LlamaConfig(**shape)
     torch.manual_seed(0)  # the same weights in every process
-    model = LlamaForCausalLM(config).to(device)
+    model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
@@ -224,7 +234,10 @@ def _deepspeed_engine(model, args, world_size: int, bf16: bool):
 
 def train(args, rank: int, world_size: int, device: torch.device) -> dict:
     """Train for ``args.steps`` steps; returns every step's loss and gradient norm."""
-    engine = Engine(build_model(args, device), args, world_size, device)
+    model = build_model(args, device)
+    # The MoE layers' experts implementation ("tigon" once patched; transformers' "grouped_mm" else).
+    experts = sorted({m.config._experts_implementation for m in model.modules() if hasattr(m, "is_transposed")})
+    engine = Engine(model, args, world_size, device)
     losses, grad_norms = [], []
     for step_index in range(args.steps):
         batches = micro_batches(args, step_index, rank, world_size, device)
@@ -246,7 +259,7 @@ def train(args, rank: int, world_size: int, device: torch.device) -> dict:
         if rank == 0:
             print(f"step {step_index}: loss {losses[-1]:.6f}, gradient norm {grad_norm:.6f}"
                   + ("" if output.logits is None else " (logits built)"))
-    return dict(fused_loss=output.logits is None, losses=losses, grad_norms=grad_norms)
+    return dict(fused_loss=output.logits is None, experts=experts, losses=losses, grad_norms=grad_norms)
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
 """examples/train_fsdp2.py on two processes (gloo on CPU, NCCL on GPUs) under DDP, FSDP2 and
 DeepSpeed ZeRO-3 gives the per-step losses and gradient norms of one process, with tigon's fused
-linear cross entropy computing the loss (no logits built).
+linear cross entropy computing the loss (no logits built), and under FSDP2 with tigon's MoE experts.
 
 Every step covers the same 4 sequences: 4 micro-batches of one in one process, 2 in each of two,
 with gradient accumulation, gradient checkpointing and AdamW. Their prompts (labels -100) differ
@@ -41,6 +41,7 @@ ONE_PROCESS = {
     "fp32-tied": ("--precision", "fp32", "--tie-embeddings"),
     # torch.autocast in one process; each engine's own bf16 below.
     "bf16": ("--precision", "bf16"),
+    "fp32-moe": ("--precision", "fp32", "--model", "qwen3_moe"),
 }
 # fp32: the same sums in another order. bf16: FSDP2 and DeepSpeed run the norms and the loss in
 # bf16 as well, where autocast keeps them in fp32.
@@ -49,6 +50,8 @@ TWO_PROCESSES = {
     # lm_head resharded after its forward: tigon must use the weight inside it.
     "fsdp2-lm-head-unit": Run(("--strategy", "fsdp2", "--precision", "fp32", "--shard-lm-head"), "fp32", 1e-5),
     "fsdp2-tied": Run(("--strategy", "fsdp2", "--precision", "fp32", "--tie-embeddings"), "fp32-tied", 1e-5),
+    # Qwen3-MoE layers, their experts on tigon's kernel, the expert weights sharded by expert.
+    "fsdp2-moe": Run(("--strategy", "fsdp2", "--precision", "fp32", "--model", "qwen3_moe"), "fp32-moe", 1e-5),
     "zero3": Run(("--strategy", "zero3", "--precision", "fp32"), "fp32", 1e-5),
     "fsdp2-bf16": Run(("--strategy", "fsdp2", "--precision", "bf16"), "bf16", 1e-3),
     "zero3-bf16": Run(("--strategy", "zero3", "--precision", "bf16"), "bf16", 1e-3),
@@ -93,6 +96,7 @@ def test_two_processes_match_one(results, name):
     two, one = results[name], results[run.reference]
     assert two["world_size"] == 2 and one["world_size"] == 1
     assert two["fused_loss"] and one["fused_loss"], "the loss was not tigon's fused one (logits were built)"
+    assert two["experts"] == one["experts"] == (["tigon"] if "qwen3_moe" in run.arguments else [])
     assert len(two["losses"]) == len(one["losses"]) == 2
     assert two["losses"] == pytest.approx(one["losses"], rel=run.tolerance)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=10 * run.tolerance)
