@@ -26,8 +26,14 @@ and down; PEFT's defaults otherwise, so fp32 adapters on the bf16 model), AdamW 
 only, and adds tigon's full fine-tuning of the same model and batch for scale. ``--qlora`` does the
 same over a 4-bit base: the decoder's linear layers as bitsandbytes NF4 layers computing in bf16.
 
+``--budget hf`` trains each setup at its best gradient checkpointing within one memory budget:
+Hugging Face's own peak with every layer recomputed (``--budget 30`` gives GiB instead). Each
+setup, Hugging Face included, runs the same search, :func:`tigon.transformers.fit_checkpointing`,
+which probes training steps and keeps the activations of as many of the last layers as fit; each
+result records the plan, every probe's peak and the timed steps' own peak against the budget.
+
     tigon bench e2e [--model llama | qwen3_moe] [--lora | --qlora] [--setups hf liger tigon] [--steps 6]
-        [--optimizer fused] [--router-aux-loss] [--out DIR]
+        [--optimizer fused] [--router-aux-loss] [--budget hf | GiB] [--out DIR]
     (python -m tigon.bench.e2e takes the same arguments)
 """
 
@@ -55,6 +61,12 @@ LLAMA_3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
     max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
 )
+# Llama-3.2-1B's, all 16 layers, the head tied to the embedding as released (its llama3 RoPE scaling
+# changes no shape or cost, and is left out).
+LLAMA_3_2_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+)
 # Qwen3-30B-A3B's, as its released config.json: every layer a mixture of experts.
 QWEN3_30B_A3B = dict(
     vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
@@ -74,6 +86,8 @@ class Model:
         config_class, model_class: names in the family's modeling module.
         shapes: the released model's shapes (the number of layers is build_model's argument).
         experts: a mixture of experts, whose tigon setup runs tigon's experts kernel.
+        layers: the layers trained unless ``--layers`` says otherwise.
+        tied: the head shares the embedding's weight.
     """
 
     title: str
@@ -82,10 +96,13 @@ class Model:
     model_class: str
     shapes: dict
     experts: bool = False
+    layers: int = 4
+    tied: bool = False
 
 
 MODELS = {
     "llama": Model("Llama-3-8B", "llama", "LlamaConfig", "LlamaForCausalLM", LLAMA_3_8B),
+    "llama_1b": Model("Llama-3.2-1B", "llama", "LlamaConfig", "LlamaForCausalLM", LLAMA_3_2_1B, layers=16, tied=True),
     "qwen3_moe": Model(
         "Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B, experts=True,
     ),
@@ -122,7 +139,7 @@ def build_model(
     modeling = importlib.import_module(f"transformers.models.{spec.module}.modeling_{spec.module}")
     config_class = getattr(importlib.import_module(f"transformers.models.{spec.module}"), spec.config_class)
     config = config_class(
-        **{**spec.shapes, **shape}, num_hidden_layers=layers, tie_word_embeddings=False, attn_implementation="sdpa",
+        **{**spec.shapes, **shape}, num_hidden_layers=layers, tie_word_embeddings=spec.tied, attn_implementation="sdpa",
         **options,
     )
     torch.manual_seed(0)
@@ -252,6 +269,22 @@ def label(setup: str, lora: str | None) -> str:
     return LABELS[setup] + (f" + PEFT {lora}" if lora else "")
 
 
+def fit_budget(model, optimizer, batch: int, seq_len: int, budget: str) -> dict:
+    """Fits ``model``'s checkpointing to ``budget`` (GiB, or "self": its own peak with every layer
+    recomputed) on a probe batch of the training shape; returns the plan as a result's record."""
+    from tigon.transformers import fit_checkpointing, measure_step_peak
+
+    generator = torch.Generator(device="cuda").manual_seed(1)  # the timed steps' data stay as without probes
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
+    probe_batch = {"input_ids": tokens, "labels": tokens}
+    budget_gib = measure_step_peak(model, probe_batch, optimizer=optimizer) if budget == "self" else float(budget)
+    plan = fit_checkpointing(model, probe_batch, budget_gib, optimizer=optimizer)
+    return {
+        "budget_gib": budget_gib, "layers_kept": plan.kept, "layers_recomputed": plan.recomputed,
+        "probe_peak_gib": plan.peak_gib, "probes_gib": plan.probes,
+    }
+
+
 def run_setup(args, setup: str) -> dict:
     batch, seq_len = args.batch, args.seq_len
     lora = (args.lora or args.qlora) and setup != FULL_TIGON
@@ -263,6 +296,7 @@ def run_setup(args, setup: str) -> dict:
     if lora:
         model = with_lora(model)
     optimizer = new_optimizer(model, args.optimizer)
+    checkpointing = fit_budget(model, optimizer, batch, seq_len, args.budget_gib) if args.budget_gib else None
     generator = torch.Generator(device="cuda").manual_seed(0)
     result = {
         "setup": setup, "label": label(setup, "QLoRA" if args.qlora else "LoRA" if args.lora else None),
@@ -271,6 +305,9 @@ def run_setup(args, setup: str) -> dict:
         **({"experts": experts, "router_aux_loss": args.router_aux_loss} if experts else {}),
         **time_steps(model, optimizer, batch, seq_len, args.steps, generator),
     }
+    if checkpointing:
+        checkpointing["within_budget"] = result["peak_memory_gib"] <= checkpointing["budget_gib"]
+        result["checkpointing"] = checkpointing
     if args.memory_profile:
         result["peak_tensors"] = peak_tensors(model, optimizer, batch, seq_len, generator)
     longest = 0
@@ -295,6 +332,7 @@ def plot(results: list[dict], path: Path, device: str) -> None:
 
     labels = [
         r["label"].replace("Hugging Face", "HF").replace(" + ", "\n+ ").replace(", full fine-tuning", "\n(full FT)")
+        + (f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers" if "checkpointing" in r else "")
         for r in results
     ]
     panels = [("tokens_per_second", "tokens/s (batch 4 × 4096)"), ("peak_memory_gib", "peak memory (GiB)")]
@@ -311,8 +349,11 @@ def plot(results: list[dict], path: Path, device: str) -> None:
     if results[0]["lora"]:
         what = f"PEFT {'QLoRA (NF4 base)' if 'QLoRA' in results[0]['label'] else 'LoRA'} r 16 on all linear layers"
     first = results[0]
+    checkpointing = "gradient checkpointing"
+    if "checkpointing" in first:
+        checkpointing = f"checkpointing fitted to {first['checkpointing']['budget_gib']:.1f} GiB"
     fig.suptitle(f"{first['layers']}-layer {MODELS[first['model']].title} shapes, bf16, {what}, {first['optimizer']}, "
-                 f"gradient checkpointing — {device}")
+                 f"{checkpointing} — {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -322,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tigon bench e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="llama", help="whose layer shapes (default: llama)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=None, help="default: 4, the whole model for llama_1b")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=6)
@@ -333,10 +374,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qlora", action="store_true", help="as --lora over a bitsandbytes 4-bit NF4 base")
     parser.add_argument("--router-aux-loss", action="store_true",
                         help="with --model qwen3_moe: add the router's auxiliary loss (off in the released config)")
+    parser.add_argument("--budget", default=None,
+                        help="'hf' or GiB: each setup at its best per-layer checkpointing within this peak")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", choices=(*SETUPS, FULL_TIGON), help=argparse.SUPPRESS)
+    parser.add_argument("--budget-gib", default=None, help=argparse.SUPPRESS)  # a child's: GiB, or "self"
     args = parser.parse_args(argv)
-    if args.model != "llama" and (args.lora or args.qlora):
+    if args.layers is None:
+        args.layers = MODELS[args.model].layers
+    if args.budget is not None:
+        if args.budget != "hf" and not _is_positive_number(args.budget):
+            parser.error(f"--budget takes 'hf' or a number of GiB, got {args.budget!r}")
+        if args.budget == "hf" and "hf" not in args.setups:
+            parser.error("--budget hf needs the hf setup (--setups hf ...)")
+        if args.lora or args.qlora:
+            parser.error("--budget trains full fine-tuning only")
+    if args.model not in ("llama", "llama_1b") and (args.lora or args.qlora):
         parser.error("--lora and --qlora train the Llama model only")
     if args.router_aux_loss and not MODELS[args.model].experts:
         parser.error("--router-aux-loss needs a mixture of experts (--model qwen3_moe)")
@@ -354,14 +407,24 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     lora = args.lora or args.qlora
-    for setup in [*args.setups, *[FULL_TIGON] * lora]:
+    setups = [*args.setups, *[FULL_TIGON] * lora]
+    if args.budget is not None:  # Hugging Face first: its peak may be the budget
+        setups.sort(key=lambda setup: setup != "hf")
+        args.max_search = 0
+    budget = args.budget
+    for setup in setups:
+        if args.budget == "hf":
+            budget = "self" if setup == "hf" else str(results[0]["checkpointing"]["budget_gib"]) if results else None
+            if budget is None:
+                print("Hugging Face's run failed: no budget to fit the others to")
+                return 1
         command = [
             sys.executable, "-m", "tigon.bench.e2e", "--child", setup, "--model", args.model,
             "--layers", str(args.layers),
             "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
             "--max-search", str(args.max_search), "--optimizer", args.optimizer,
             *["--lora"] * args.lora, *["--qlora"] * args.qlora, *["--memory-profile"] * args.memory_profile,
-            *["--router-aux-loss"] * args.router_aux_loss,
+            *["--router-aux-loss"] * args.router_aux_loss, *(["--budget-gib", budget] if budget else []),
         ]
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -382,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['label']:<42}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
               f"{r['memory_vs_hf']:>9.0%}{r['longest_seq_len_batch1']:>17,}")
     for r in results:
+        if "checkpointing" in r:
+            plan = r["checkpointing"]
+            print(f"{r['label']}: recomputes {plan['layers_recomputed']} of "
+                  f"{plan['layers_recomputed'] + plan['layers_kept']} layers within {plan['budget_gib']:.2f} GiB; "
+                  f"probe peak {plan['probe_peak_gib']:.2f}, timed peak {r['peak_memory_gib']:.2f} GiB")
         phases = {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()}
         print(f"{r['label']} peak by phase (GiB): {phases}" + (f"; experts: {r['experts']}" if "experts" in r else ""))
         for row in r.get("peak_tensors", []):
@@ -389,10 +457,19 @@ def main(argv: list[str] | None = None) -> int:
     name = f"e2e_{args.model}" + ("_qlora" if args.qlora else "_lora" if args.lora else "")
     if args.router_aux_loss:
         name += "_aux_loss"
+    if args.budget is not None:
+        name += f"_budget_{args.budget}"
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     plot(results, out / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
     return 0
+
+
+def _is_positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ Three levels, as fine as you need::
 Each family is a row of :data:`tigon.transformers.families.FAMILIES`; the loss path shared by all
 causal LMs is :mod:`tigon.transformers.causal_lm`. Importing this package registers tigon's fused
 MoE experts as transformers' ``experts_implementation="tigon"`` (:mod:`tigon.transformers.moe`),
-which the patchers set on the MoE families' models. Tested with transformers 5.17.
+which the patchers set on the MoE families' models. :func:`fit_checkpointing` spends the memory
+tigon frees on less recomputation (:mod:`tigon.transformers.checkpointing`). Tested with
+transformers 5.17.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tigon.transformers import moe
+from tigon.transformers.checkpointing import CheckpointingPlan, fit_checkpointing, measure_step_peak, set_checkpointing
 from tigon.transformers.families import FAMILIES, Experts, Family, Mlp, Norm, Rope
 from tigon.transformers.kernel_hub import export_kernels, kernel_config
 from tigon.transformers.patching import LAYER_FLAGS, base_model, family_patcher
@@ -33,6 +36,7 @@ globals().update({patcher.__name__: patcher for patcher in PATCHERS.values()})
 __all__ = [
     "AutoTigonForCausalLM",
     "AutoTigonForImageTextToText",
+    "CheckpointingPlan",
     "Experts",
     "FAMILIES",
     "Family",
@@ -42,7 +46,10 @@ __all__ = [
     "Rope",
     "apply_tigon",
     "export_kernels",
+    "fit_checkpointing",
     "kernel_config",
+    "measure_step_peak",
+    "set_checkpointing",
     *(patcher.__name__ for patcher in PATCHERS.values()),
 ]
 # Every flag a patcher takes; the auto classes tell them from from_pretrained's arguments.

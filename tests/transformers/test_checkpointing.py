@@ -1,0 +1,174 @@
+"""Gradient checkpointing fitted to a memory budget (tigon.transformers.checkpointing).
+
+On the CPU: which layers a plan recomputes, that every plan gives the same losses and gradients,
+and the planner's argument errors. On a GPU (the planner measures CUDA memory): a plan fitted
+between the all-recomputed and the none-recomputed peaks keeps some layers and stays within the
+budget in real training, probing leaves the weights, the optimizer and the random state as they
+were, and training after probing matches training without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_batch, tiny_model
+from utils import ON_GPU, relative_error
+
+from tigon.transformers import apply_tigon, fit_checkpointing, measure_step_peak, set_checkpointing
+from tigon.transformers.checkpointing import checkpointing_layers
+
+N_LAYERS = 4
+
+
+def _loss_and_grads(model, input_ids, labels):
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_set_checkpointing_recomputes_all_but_the_last_kept_layers():
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    layers = checkpointing_layers(model)
+    assert layers == list(model.model.layers)
+    for kept in range(N_LAYERS + 1):
+        set_checkpointing(model, kept)
+        assert [layer.gradient_checkpointing for layer in layers] == [i < N_LAYERS - kept for i in range(N_LAYERS)]
+
+
+@pytest.mark.parametrize("kept", [-1, N_LAYERS + 1])
+def test_set_checkpointing_rejects_a_count_outside_the_layers(kept):
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS)
+    with pytest.raises(ValueError, match=rf"kept must be in \[0, {N_LAYERS}\] \({N_LAYERS} checkpointing layers\), got {kept}"):
+        set_checkpointing(model, kept)
+
+
+def test_set_checkpointing_needs_checkpointing_layers():
+    with pytest.raises(ValueError, match="Linear has no gradient-checkpointing layers"):
+        set_checkpointing(torch.nn.Linear(2, 2), 0)
+
+
+def test_set_checkpointing_sets_the_flags_of_the_modules_inside_each_layer():
+    # tigon's MLP reads its own flag: under checkpointing it recomputes its projections in backward.
+    model = apply_tigon(tiny_model("llama", num_hidden_layers=N_LAYERS).train())
+    set_checkpointing(model, 1)
+    assert [layer.mlp.gradient_checkpointing for layer in model.model.layers] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["hf", "tigon"])
+def test_every_plan_gives_the_same_losses_and_gradients(patched):
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    if patched:
+        apply_tigon(model)
+    input_ids, labels = tiny_batch()
+    truth_loss, truth_grads = _loss_and_grads(model, input_ids, labels)  # no checkpointing set up
+    for kept in (0, 1, N_LAYERS):
+        set_checkpointing(model, kept)
+        loss, grads = _loss_and_grads(model, input_ids, labels)
+        assert torch.equal(loss, truth_loss), f"kept {kept}: loss {loss.item()} != {truth_loss.item()}"
+        for name, grad in grads.items():
+            if patched and kept < N_LAYERS:
+                # A recomputed tigon MLP recomputes its projections slice by slice in backward: the same
+                # products, summed in another order (fp32 rounding).
+                assert relative_error(grad, truth_grads[name]) < 1e-6, f"kept {kept}: {name}'s gradient"
+            else:
+                assert torch.equal(grad, truth_grads[name]), f"kept {kept}: {name}'s gradient differs"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the error of a model off the GPU")
+def test_fit_checkpointing_needs_a_cuda_model():
+    model = tiny_model("llama").train()
+    with pytest.raises(ValueError, match="measure CUDA memory; the model is on cpu"):
+        fit_checkpointing(model, {}, 10.0)
+    with pytest.raises(ValueError, match="measure CUDA memory; the model is on cpu"):
+        measure_step_peak(model, {})
+
+
+@pytest.mark.parametrize("budget", [0.0, -1.0, float("inf"), float("nan")])
+def test_fit_checkpointing_rejects_a_budget_that_is_not_a_positive_number(budget):
+    with pytest.raises(ValueError, match=f"memory_budget_gib must be a positive number of GiB, got {budget}"):
+        fit_checkpointing(tiny_model("llama").train(), {}, budget)
+
+
+# GPU: a model whose layers' activations are large next to its weights, so plans differ by GiB-scale
+# steps: 6 layers of width 1024 at batch 8 x 1024 tokens.
+GPU_SHAPE = dict(num_hidden_layers=6, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                 num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024)
+
+
+def _gpu_model(patched: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**GPU_SHAPE, attn_implementation="sdpa")).cuda().to(torch.bfloat16)
+    if patched:
+        apply_tigon(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def _gpu_batch(seed: int):
+    tokens = torch.randint(0, GPU_SHAPE["vocab_size"], (8, 1024), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(seed))
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def _train(model, optimizer, steps: int) -> tuple[list[float], float]:
+    """Losses of ``steps`` AdamW steps on fresh batches, and the peak allocated memory (GiB)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    losses = []
+    for step in range(steps):
+        loss = model(**_gpu_batch(100 + step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, torch.cuda.max_memory_allocated() / 2**30
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
+@pytest.mark.parametrize("patched", [False, True], ids=["hf", "tigon"])
+def test_a_budget_between_the_extremes_keeps_some_layers_and_holds_in_training(patched):
+    model = _gpu_model(patched)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batch = _gpu_batch(0)
+    set_checkpointing(model, 0)
+    all_recomputed = measure_step_peak(model, batch, optimizer=optimizer)
+    set_checkpointing(model, GPU_SHAPE["num_hidden_layers"])
+    none_recomputed = measure_step_peak(model, batch, optimizer=optimizer)
+    assert none_recomputed > all_recomputed + 1.0, (all_recomputed, none_recomputed)
+    budget = (all_recomputed + none_recomputed) / 2
+    weights = [p.detach().clone() for p in model.parameters()]
+    rng = torch.cuda.get_rng_state()
+
+    plan = fit_checkpointing(model, batch, budget, optimizer=optimizer)
+
+    assert 0 < plan.kept < plan.n_layers, plan
+    assert plan.peak_gib <= budget * 0.98, plan
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights)), "probing moved a weight"
+    assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1e-4
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    kept = [not layer.gradient_checkpointing for layer in checkpointing_layers(model)]
+    assert kept == [i >= plan.n_layers - plan.kept for i in range(plan.n_layers)]
+
+    losses, peak = _train(model, optimizer, steps=3)
+    # The error margin: training's peak is the probe's, within 1%.
+    assert peak <= budget and abs(peak - plan.peak_gib) <= 0.01 * plan.peak_gib, (peak, plan)
+
+    # The same training without probing (the plan set directly) gives the same losses.
+    fresh = _gpu_model(patched)
+    set_checkpointing(fresh, plan.kept)
+    fresh_losses, _ = _train(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4, fused=True), steps=3)
+    assert losses == fresh_losses
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
+def test_a_budget_below_the_all_recomputed_peak_is_refused():
+    model = _gpu_model(patched=True)
+    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB with all 6 layers recomputed, over memory_budget_gib = 0\.10"):
+        fit_checkpointing(model, _gpu_batch(0), 0.1)
+    assert all(layer.gradient_checkpointing for layer in checkpointing_layers(model))
