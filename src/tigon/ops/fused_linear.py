@@ -13,9 +13,9 @@ holds the chunk's logits and then their gradient::
 ``row_scale`` (fp32 ``[C]``, or ``None`` for 1) is a factor per row that the head may only know
 after the logits have been reduced, such as a preference loss's derivative with respect to a
 whole sequence's log-probability: applying it to ``x_c`` and ``dx_c`` (``[C, H]``) rather than to
-``dlogits`` (``[C, V]``) spares a pass over the chunk's logits. ``matmul_scale`` multiplies every
-gradient, applied by the matmuls in fp32 (``1 / n_valid`` of a mean would otherwise be stored
-into 16-bit ``dlogits`` and flush small entries to zero).
+``dlogits`` (``[C, V]``) spares a pass over the chunk's logits. ``matmul_scale``, a host number,
+multiplies every gradient, applied by the matmuls in fp32 (a small factor such as a mean's
+``1 / N`` would otherwise be stored into 16-bit ``dlogits`` and flush small entries to zero).
 
 A chunk is one range of rows (a view of ``x``, no copy) or several ranges that must be in the same
 chunk, such as a preference pair's chosen and rejected sequences (gathered into one block, so that
