@@ -686,7 +686,10 @@ def cross_entropy(
 
     Args:
         logits: ``[..., V]`` fp32/bf16/fp16, ``V`` up to 262144; ``N·V`` may exceed 2³¹.
-        target: ``[...]`` int64/int32 in ``[0, V)`` or ``ignore_index``.
+        target: ``[...]`` int64/int32 in ``[0, V)`` or ``ignore_index``. Another value raises
+            ``ValueError``, checked once the kernels are queued; under CUDA-graph capture and
+            torch.compile, where the host may not wait for the GPU, it is not checked and the
+            token is ignored (as ``ignore_index``).
         return_z_loss: also return the z-loss term (reduced like the loss, already included in
             it, for logging: it carries no gradient of its own).
         inplace_backward: write the gradient into ``logits``' storage during the forward pass,
@@ -747,7 +750,7 @@ def fused_linear_cross_entropy(
 
     Args:
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
-        target: ``[...]`` as ``input``'s leading dimensions.
+        target: ``[...]`` as ``input``'s leading dimensions, checked as :func:`cross_entropy`'s.
         Other options as :func:`cross_entropy`.
     Returns: as :func:`cross_entropy`.
     """
@@ -785,7 +788,8 @@ def fused_linear_logprobs(
 
     Args:
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
-        target: ``[...]`` as ``input``'s leading dimensions, int64/int32.
+        target: ``[...]`` as ``input``'s leading dimensions, int64/int32, checked as
+            :func:`cross_entropy`'s.
         temperature: > 0. softcap: ``None`` or > 0 (Gemma's final logit softcap). logit_scale:
             multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``).
         outputs: which of ``"log_probs"``, ``"entropy"``, ``"log_sum_sq_probs"`` (``log Σ p²``),
@@ -797,6 +801,7 @@ def fused_linear_logprobs(
             log-probs, as SFT's NLL): forward then computes the gradients as the fused linear
             cross entropy does, ``6·N·H·V`` FLOPs instead of ``8·N·H·V``. Backward checks the
             promise (one host sync) and recomputes when it does not hold: never wrong, only slower.
+            Ignored under CUDA-graph capture and torch.compile, where the host may not wait.
         backward_context: ``None``, or a callable returning a context manager that a recomputing
             backward runs in, for a weight that must be gathered again to be read (DeepSpeed
             ZeRO-3: ``lambda: deepspeed.zero.GatheredParameters([weight])``).
