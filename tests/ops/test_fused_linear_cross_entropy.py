@@ -4,6 +4,8 @@ import torch
 from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn
+import tigon.ops.cross_entropy as cross_entropy_ops
+import tigon.ops.fused_linear_cross_entropy as fused_linear_cross_entropy_ops
 from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, chunk_rows_for
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
 
@@ -147,6 +149,40 @@ def test_target_out_of_range_raises(bad):
     target.view(-1)[4] = value
     with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for V = {vocab} "):
         tf.fused_linear_cross_entropy(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_unchecked_out_of_range_targets_are_ignored(monkeypatch, reduction):
+    """Where the host may not wait for the GPU (CUDA-graph capture, torch.compile) the range is not
+    checked: a target outside [0, V) then counts as ignore_index, bit for bit."""
+    monkeypatch.setattr(cross_entropy_ops, "host_sync_allowed", lambda tensor: False)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    vocab = weight.shape[0]
+    positions = [3, 12, 30]
+    out_of_range, ignored = target.clone(), target.clone()
+    out_of_range[positions] = torch.tensor([vocab, -2, 10 * vocab], device=DEVICE)
+    ignored[positions] = -100
+    grad_output = torch.randn(target.shape, device=DEVICE) if reduction == "none" else None
+    results = []
+    for target in (out_of_range, ignored):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, b)]
+        loss = tf.fused_linear_cross_entropy(
+            *leaves[:2], target, leaves[2], reduction=reduction, chunk_memory_bytes=chunk_memory_bytes,
+        )
+        loss.backward(grad_output)
+        results.append((loss.detach(), *(leaf.grad for leaf in leaves)))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mean_split_between_matmuls_and_kernel(monkeypatch, dtype):
+    """The mean's 1 / n_valid is split as alpha = 1 / m (matmuls) and m / n_valid (kernel), with
+    m = min(N, MEAN_SCALE_ROWS): with fewer tokens than that m = N, so a small cap makes the
+    split the general one, m < N."""
+    monkeypatch.setattr(fused_linear_cross_entropy_ops, "MEAN_SCALE_ROWS", 8)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], dtype)
+    assert target.numel() > 8
+    _check(x, weight, target, b, dtype, chunk_memory_bytes, reduction="mean", label_smoothing=0.1)
 
 
 def test_default_chunk_size():
