@@ -26,7 +26,7 @@ def check_tensor(name: str, value, *, dtypes=FLOAT_DTYPES, min_dim: int = 1, dim
         raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(value.shape)}")
     if value.dim() < min_dim:
         raise ValueError(f"{name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
-    if value.device.type != "cuda" and not interpreting():
+    if not value.is_cuda and not interpreting():
         raise ValueError(
             f"{name} is on {value.device}; tigon's kernels run on CUDA tensors "
             "(or on CPU tensors through Triton's interpreter, TRITON_INTERPRET=1)"
@@ -34,10 +34,9 @@ def check_tensor(name: str, value, *, dtypes=FLOAT_DTYPES, min_dim: int = 1, dim
 
 
 def check_same_device(**tensors) -> None:
-    present = {name: t for name, t in tensors.items() if t is not None}
-    devices = {t.device for t in present.values()}
+    devices = {t.device for t in tensors.values() if t is not None}
     if len(devices) > 1:
-        where = ", ".join(f"{name} on {t.device}" for name, t in present.items())
+        where = ", ".join(f"{name} on {t.device}" for name, t in tensors.items() if t is not None)
         raise ValueError(f"tensors must be on one device, got {where}")
 
 
@@ -76,7 +75,8 @@ def check_numbers(**values) -> None:
     """Options read as plain numbers (``eps``, ``temperature``, ``beta``...), whichever of them
     came as a tensor: see :func:`check_constant`."""
     for name, value in values.items():
-        check_constant(name, value, "it is read as a plain number", f"pass a float or {name}.detach()")
+        if isinstance(value, torch.Tensor):
+            check_constant(name, value, "it is read as a plain number", f"pass a float or {name}.detach()")
 
 
 def check_head(prefix: str, input, weight, bias=None, input_dim: int | None = None) -> None:

@@ -119,7 +119,8 @@ def test_custom_ops_fake_matches_real(weight, bias):
     y, mean, rstd = layer_norm_ops.layer_norm_fwd(x, weight, bias, 1e-5, offset)
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(layer_norm_ops.layer_norm_fwd.op, (x, weight, bias, 1e-5, offset), test_utils=checks)
-    bwd_args = (torch.randn_like(x), x, weight, mean, rstd, offset, weight is not None, bias is not None)
+    bias_dtype = None if bias is None else bias.dtype
+    bwd_args = (torch.randn_like(x), x, weight, mean, rstd, offset, weight is not None, bias is not None, bias_dtype)
     torch.library.opcheck(layer_norm_ops.layer_norm_bwd.op, bwd_args, test_utils=checks)
 
 

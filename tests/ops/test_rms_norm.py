@@ -104,10 +104,13 @@ def test_custom_ops_fake_matches_real(with_residual):
     residual = randn(40, 64, dtype=torch.bfloat16) if with_residual else None
     weight = randn(64, dtype=torch.bfloat16)
     checks = ("test_schema", "test_faketensor")
-    fwd_args = (x, residual, weight, 1e-6, 0.0, "llama")
-    torch.library.opcheck(rms_norm_ops.rms_norm_fwd.op, fwd_args, test_utils=checks)
-    _, summed, rstd = rms_norm_ops.rms_norm_fwd(*fwd_args)
-    normed_input = summed if with_residual else x
+    if with_residual:
+        fwd, fwd_args = rms_norm_ops.fused_add_rms_norm_fwd, (x, residual, weight, 1e-6, 0.0, "llama")
+    else:
+        fwd, fwd_args = rms_norm_ops.rms_norm_fwd, (x, weight, 1e-6, 0.0, "llama")
+    torch.library.opcheck(fwd.op, fwd_args, test_utils=checks)
+    *_, rstd = outputs = fwd(*fwd_args)
+    normed_input = outputs[1] if with_residual else x
     bwd_args = (torch.randn_like(x), residual, normed_input, weight, rstd, 0.0, True)
     torch.library.opcheck(rms_norm_ops.rms_norm_bwd.op, bwd_args, test_utils=checks)
 

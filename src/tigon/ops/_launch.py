@@ -1,4 +1,5 @@
-"""Helpers shared by every kernel family: launch geometry, row views and custom-op registration."""
+"""Helpers shared by every kernel family: launch geometry, a cheaper kernel launch, row views,
+the norms' final sum of per-program partials and custom-op registration."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from collections.abc import Callable
 
 import torch
 import triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
 
 # Widest row a single program holds in registers (elements); longer rows loop over blocks.
 MAX_FUSED_ROW = 65536
@@ -19,13 +24,25 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code: ``triton.cdiv`` is a ``constexpr_function`` (Triton 3.6), whose
+    wrapper costs ~10 µs of host time per call from Python."""
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (0 for 0, as ``triton.next_power_of_2``), for host code
+    (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def row_launch_config(n_cols: int, element_size: int) -> tuple[int, int]:
     """Block width and warp count for a kernel that holds one row of ``n_cols`` elements.
 
     The block is the next power of two of the row; warps grow with the row's bytes so that each
     thread keeps roughly 8-16 elements in flight (16-byte vectors for 16-bit dtypes).
     """
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     row_bytes = block_n * element_size
     if row_bytes <= 2048:
         num_warps = 1 if row_bytes <= 512 else 2
@@ -41,7 +58,7 @@ def row_launch_config(n_cols: int, element_size: int) -> tuple[int, int]:
 def rows_per_block(n_cols: int, min_elements: int = 4096, max_rows: int = 16) -> int:
     """Rows a program handles together so that its tile holds at least ~``min_elements`` elements:
     short rows alone would leave most of a program's lanes idle."""
-    return max(1, min(max_rows, min_elements // triton.next_power_of_2(n_cols)))
+    return max(1, min(max_rows, min_elements // next_power_of_2(n_cols)))
 
 
 def norm_bwd_geometry(block_n: int) -> tuple[int, int, int]:
@@ -59,6 +76,56 @@ def norm_bwd_geometry(block_n: int) -> tuple[int, int, int]:
     return block_m, max(4, min(16, block_m * block_n // 2048)), 1
 
 
+# The final sum of per-program partials: a program sums PARTIALS_BLOCK_N columns over all
+# programs' rows, PARTIALS_BLOCK_P rows a step.
+PARTIALS_BLOCK_N = 64
+PARTIALS_BLOCK_P = 64
+
+
+@triton.jit
+def sum_partials_kernel(
+    PARTIALS, OUT, OUT_2,
+    n_partials, n_cols, stride_partial,
+    TWO_OUTPUTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # OUT[j] = Σ_p PARTIALS[p, j] in fp32, stored in OUT's dtype. With TWO_OUTPUTS the partials are
+    # [P, 2, H] and the grid's second axis picks (PARTIALS[:, 0], OUT) or (PARTIALS[:, 1], OUT_2).
+    output = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    partials = PARTIALS + output * n_cols + cols[None, :]
+    total = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        total += tl.load(partials + rows.to(tl.int64)[:, None] * stride_partial, mask=mask, other=0.0)
+    total = tl.sum(total, axis=0)
+    if TWO_OUTPUTS:
+        if output == 1:
+            tl.store(OUT_2 + cols, total.to(OUT_2.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(OUT + cols, total.to(OUT.dtype.element_ty), mask=col_mask)
+
+
+def sum_partials(partials: torch.Tensor, *dtypes: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The sums over programs of a norm backward's fp32 partials, ``[P, H]`` (rows may be strided)
+    or ``[P, 2, H]`` (two sums, contiguous in the last two dimensions), as ``[H]`` tensors in
+    ``dtypes`` (one per sum): one launch instead of ``partials.sum(0)`` and a cast per sum, each
+    two host calls and a kernel."""
+    n_partials, n_cols = partials.shape[0], partials.shape[-1]
+    outs = tuple(partials.new_empty(n_cols, dtype=dtype) for dtype in dtypes)
+    block_n = min(PARTIALS_BLOCK_N, next_power_of_2(n_cols))
+    launch(
+        sum_partials_kernel, (cdiv(n_cols, block_n), len(outs)),
+        partials, outs[0], outs[1] if len(outs) == 2 else None,
+        n_partials, n_cols, partials.stride(0),
+        TWO_OUTPUTS=len(outs) == 2, BLOCK_P=PARTIALS_BLOCK_P, BLOCK_N=block_n, num_warps=4,
+    )
+    return outs
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -69,6 +136,113 @@ def num_programs_for(device: torch.device, programs_per_sm: int = 1) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * programs_per_sm
+
+
+_I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
+
+
+class _KernelLaunches:
+    """What :func:`launch` keeps per kernel: the kernel Triton compiled for each specialisation key
+    (see :meth:`key`) and the constexpr values that go with it."""
+
+    def __init__(self, n_runtime: int):
+        self.n_runtime = n_runtime  # parameters before the constexprs
+        self.compiled: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def of(kernel) -> _KernelLaunches | None:
+        """``None`` where every launch takes Triton's path: under the interpreter (the kernel is then
+        not a ``JITFunction``), or when the constexpr parameters do not all come last, or one has a
+        default."""
+        if type(kernel) is not JITFunction:
+            return None
+        params = kernel.params
+        n_runtime = sum(not param.is_constexpr for param in params)
+        if not all(param.is_constexpr and not param.has_default for param in params[n_runtime:]):
+            return None
+        return _KernelLaunches(n_runtime)
+
+    def key(self, args: tuple, kwargs: dict, device: int) -> tuple | None:
+        """A key that determines Triton's own cache key (``compute_cache_key``): equal keys, same
+        compiled kernel. Triton specialises a tensor on its dtype and on whether its address is a
+        multiple of 16, an int on its type (i32, i64 or u64), on whether it is 1 (a constexpr then)
+        and on whether it is a multiple of 16; floats and bools not at all; constexprs and options
+        (the keywords) by value. The keywords' types are in the key too, finer than Triton (which
+        takes ``True`` for ``1``) but never coarser. ``None`` for an argument kind not handled
+        here (then Triton decides)."""
+        parts = [
+            device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            tuple(kwargs.items()), tuple(map(type, kwargs.values())),
+        ]
+        append = parts.append
+        for value in args:
+            kind = value.__class__
+            if kind is int:
+                append(1 if value == 1 else (value & 15 == 0, _I32_MIN <= value <= _I32_MAX, value >= _U64_MIN))
+            elif isinstance(value, torch.Tensor):
+                append((value.dtype, value.data_ptr() & 15 == 0))
+            elif kind is float or kind is bool or value is None:
+                append(kind)
+            else:
+                return None
+        return tuple(parts)
+
+
+_MISSING = object()
+
+
+def _hooks_idle(kernel: JITFunction) -> bool:
+    """No launch hook (a profiler's), pre-run hook or changed global that Triton's own path would
+    act on."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # an empty HookChain does nothing
+            return False
+    if kernel.pre_run_hooks:
+        return False
+    for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
+        if globals_dict.get(name, _MISSING) != value:
+            return False
+    return True
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` with the non-constexpr arguments positional and the
+    constexprs and launch options (``num_warps``...) as keywords, skipping Triton's Python launch
+    path once it has compiled the kernel for arguments like these.
+
+    Triton's ``JITFunction.run`` binds every argument, specialises each one, builds its cache key
+    and launch metadata for hooks, then calls two empty hook chains: 13 µs of Python per launch of
+    RMSNorm's forward on a development CPU (8.7 µs here), several times that on a slow host, more
+    than many of these kernels run on the GPU. Here the key is computed from what Triton specialises on
+    (:meth:`_KernelLaunches.key`), the kernel Triton compiled at the first call with that key is
+    kept, and later calls with the key launch it directly on the current stream, as Triton's own
+    path then would. Everything else takes Triton's path unchanged: the interpreter, an argument
+    kind not handled, a launch hook set (profilers), a pre-run hook, or a global read by the
+    kernel that has changed since it was compiled (Triton then raises).
+    """
+    launches = getattr(kernel, "_tigon_launches", _MISSING)
+    if launches is _MISSING:
+        launches = kernel._tigon_launches = _KernelLaunches.of(kernel)
+    if launches is None or len(args) != launches.n_runtime or not _hooks_idle(kernel):
+        kernel[grid](*args, **kwargs)
+        return
+    active = driver.active
+    device = active.get_current_device()
+    key = launches.key(args, kwargs, device)
+    cached = launches.compiled.get(key) if key is not None else None
+    if cached is None:
+        compiled = kernel[grid](*args, **kwargs)
+        # A future (Triton's asynchronous compilation) is not kept: the next call asks again.
+        if key is not None and hasattr(compiled, "packed_metadata") and not hasattr(compiled, "result"):
+            constexprs = tuple(kwargs[param.name] for param in kernel.params[launches.n_runtime:])
+            launches.compiled[key] = (compiled, constexprs)
+        return
+    compiled, constexprs = cached
+    compiled.run(
+        grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+        active.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+        *args, *constexprs,
+    )
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

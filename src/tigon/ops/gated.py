@@ -60,12 +60,24 @@ clamped SwiGLU moves the same (``gate_up`` counts twice); the squared ReLU reads
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from tigon.ops import lora as _lora
-from tigon.ops._launch import as_rows, keep_for_backward, kept_tensors, kept_x_needs_grad, save_inputs, tigon_op
+from tigon.ops._launch import (
+    as_rows,
+    cdiv,
+    keep_for_backward,
+    kept_tensors,
+    kept_x_needs_grad,
+    launch,
+    next_power_of_2,
+    save_inputs,
+    tigon_op,
+)
 
 # A program's tile: 4096 elements (8 KiB of a 16-bit tensor); 512 per warp is 16 per thread,
 # i.e. two 16-byte loads of each bf16 input in flight per thread.
@@ -230,18 +242,19 @@ def relu2_bwd_kernel(
     tl.store(DX + rows * stride_dx + cols, (2.0 * relu * dout).to(DX.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=4096)
 def _launch_config(n_rows: int, n_cols: int) -> tuple[tuple[int], int, int, int]:
     """Grid, ``BLOCK_M``, ``BLOCK_N`` and warps for tiles of ~ELEMENTS_PER_PROGRAM elements.
 
     Short rows stack several per tile. Long rows are cut into the width (1K to 4K) that pads them
     least, so that no program runs half empty: 14336 = 7 × 2048, where 4096 would pad by 1/8.
     """
-    widest = min(triton.next_power_of_2(max(n_cols, 1)), ELEMENTS_PER_PROGRAM)
+    widest = min(next_power_of_2(max(n_cols, 1)), ELEMENTS_PER_PROGRAM)
     widths = [width for width in (widest, widest // 2, widest // 4) if width >= min(widest, 1024)]
-    block_n = min(widths, key=lambda width: triton.cdiv(n_cols, width) * width)
-    block_m = min(ELEMENTS_PER_PROGRAM // block_n, triton.next_power_of_2(max(n_rows, 1)))
+    block_n = min(widths, key=lambda width: cdiv(n_cols, width) * width)
+    block_m = min(ELEMENTS_PER_PROGRAM // block_n, next_power_of_2(max(n_rows, 1)))
     num_warps = max(1, min(8, block_m * block_n // ELEMENTS_PER_WARP))
-    grid = (triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n),)
+    grid = (cdiv(n_rows, block_m) * cdiv(n_cols, block_n),)
     return grid, block_m, block_n, num_warps
 
 
@@ -255,7 +268,8 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     n_rows, n_cols = gate.shape
     out = gate.new_empty((n_rows, n_cols))
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    gated_fwd_kernel[grid](
+    launch(
+        gated_fwd_kernel, grid,
         gate, up, out,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), out.stride(0),
@@ -267,7 +281,8 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
 def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False):
     n_rows, n_cols = gate.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    gated_bwd_kernel[grid](
+    launch(
+        gated_bwd_kernel, grid,
         gate, up, dout, d_gate, d_up,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), dout.stride(0), d_gate.stride(0), d_up.stride(0),
@@ -321,7 +336,8 @@ def swiglu_clamped_fwd(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
     n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty((n_rows, n_cols))
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    swiglu_clamped_fwd_kernel[grid](
+    launch(
+        swiglu_clamped_fwd_kernel, grid,
         gate_up, out,
         n_rows, n_cols,
         gate_up.stride(0), out.stride(0),
@@ -334,7 +350,8 @@ def swiglu_clamped_fwd(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
 def _launch_swiglu_clamped_bwd(dout, gate_up, d_gate_up, alpha, limit):
     n_rows, n_cols = dout.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    swiglu_clamped_bwd_kernel[grid](
+    launch(
+        swiglu_clamped_bwd_kernel, grid,
         gate_up, dout, d_gate_up,
         n_rows, n_cols,
         gate_up.stride(0), dout.stride(0), d_gate_up.stride(0),
@@ -371,7 +388,8 @@ def relu2_fwd(x: torch.Tensor) -> torch.Tensor:
     n_rows, n_cols = x.shape
     out = x.new_empty((n_rows, n_cols))
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    relu2_fwd_kernel[grid](
+    launch(
+        relu2_fwd_kernel, grid,
         x, out, n_rows, n_cols, x.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -381,7 +399,8 @@ def relu2_fwd(x: torch.Tensor) -> torch.Tensor:
 def _launch_relu2_bwd(dout, x, dx):
     n_rows, n_cols = x.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    relu2_bwd_kernel[grid](
+    launch(
+        relu2_bwd_kernel, grid,
         x, dout, dx, n_rows, n_cols, x.stride(0), dout.stride(0), dx.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
@@ -674,8 +693,8 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, activation, adapters=(None
     a multiple of 64), so each slice's tensors are no larger than ``x``.
     """
     n_inter, n_hidden = gate_weight.shape
-    n_slices = triton.cdiv(n_inter, n_hidden)
-    slice_width = triton.cdiv(triton.cdiv(n_inter, n_slices), 64) * 64
+    n_slices = cdiv(n_inter, n_hidden)
+    slice_width = cdiv(cdiv(n_inter, n_slices), 64) * 64
     lora_tensors = [t for adapter in adapters for t in (adapter[:2] if adapter else (None, None))]
     scalings = tuple(float(adapter[2]) if adapter else 0.0 for adapter in adapters)
     x_kept = keep_for_backward(x, gate_weight, up_weight, down_weight, *lora_tensors)

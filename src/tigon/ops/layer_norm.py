@@ -25,6 +25,7 @@ writes dx (3·N·H); the weight and bias gradients add a ``[programs, H]`` fp32 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -34,10 +35,14 @@ import triton.language as tl
 
 from tigon.ops._launch import (
     as_rows,
+    cdiv,
+    launch,
+    next_power_of_2,
     norm_bwd_geometry,
     num_programs_for,
     row_launch_config,
     rows_per_block,
+    sum_partials,
     tigon_op,
 )
 
@@ -88,7 +93,7 @@ def layer_norm_fwd_kernel(
 
 @triton.jit
 def layer_norm_bwd_kernel(
-    X, W, MEAN, RSTD, DY, DX, DW_PARTIAL, DB_PARTIAL,
+    X, W, MEAN, RSTD, DY, DX, PARTIALS,
     n_rows, n_cols,
     stride_x, stride_dy, stride_dx, stride_partial,
     offset,
@@ -142,9 +147,10 @@ def layer_norm_bwd_kernel(
         tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
     if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid * stride_partial + cols, dw_acc, mask=col_mask)
+        tl.store(PARTIALS + pid * stride_partial + cols, dw_acc, mask=col_mask)
     if COMPUTE_DB:
-        tl.store(DB_PARTIAL + pid * stride_partial + cols, db_acc, mask=col_mask)
+        # PARTIALS is [P, 2, H] with both sums ([P, 1, H] with one): db's row is the last.
+        tl.store(PARTIALS + pid * stride_partial + (stride_partial - n_cols) + cols, db_acc, mask=col_mask)
 
 
 class _BwdConfig(NamedTuple):
@@ -155,6 +161,7 @@ class _BwdConfig(NamedTuple):
     num_stages: int
 
 
+@functools.lru_cache(maxsize=None)
 def _bwd_launch_config(n_cols: int, element_size: int) -> _BwdConfig:
     """Tile and grid of the backward.
 
@@ -165,7 +172,7 @@ def _bwd_launch_config(n_cols: int, element_size: int) -> _BwdConfig:
     Narrower and wider rows take RMSNorm's swept geometry without pipelining (at H = 16384 the
     pipelined 16-warp version spilled and ran at 11%).
     """
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     if not 4096 <= block_n <= 8192:
         block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
         return _BwdConfig(block_m, block_n, num_warps, programs_per_sm, 1)
@@ -178,28 +185,34 @@ def _bwd_launch_config(n_cols: int, element_size: int) -> _BwdConfig:
     return _BwdConfig(block_m, block_n, num_warps, programs_per_sm, num_stages)
 
 
+@functools.lru_cache(maxsize=None)
+def _fwd_launch_config(n_cols: int, element_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the forward."""
+    block_n, num_warps = row_launch_config(n_cols, element_size)
+    return rows_per_block(n_cols), block_n, num_warps
+
+
 def _fwd_fake(x, weight, bias, eps, offset):
-    n_rows = math.prod(x.shape[:-1])
-    stats = x.new_empty(n_rows, dtype=torch.float32)
-    return x.new_empty((n_rows, x.shape[-1])), stats, torch.empty_like(stats)
+    stats = x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
 
 
 @tigon_op("layer_norm_fwd", fake=_fwd_fake)
 def layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [..., H]`` → ``y [N, H]`` in ``x.dtype``, ``mean [N]`` and ``rstd [N]`` in fp32."""
+    """``x [..., H]`` → ``y [..., H]`` in ``x.dtype`` (contiguous), ``mean [N]`` and ``rstd [N]`` in fp32."""
     x2d = as_rows(x)
     n_rows, n_cols = x2d.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
-    block_n, num_warps = row_launch_config(n_cols, x.element_size())
-    block_m = rows_per_block(n_cols)
-    layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+    y = x.new_empty(x.shape)
+    mean = x.new_empty(n_rows, dtype=torch.float32)
+    rstd = x.new_empty(n_rows, dtype=torch.float32)
+    block_m, block_n, num_warps = _fwd_launch_config(n_cols, x.element_size())
+    launch(
+        layer_norm_fwd_kernel, (cdiv(n_rows, block_m),),
         x2d, weight, bias, y, mean, rstd,
         n_rows, n_cols,
-        x2d.stride(0), y.stride(0),
+        x2d.stride(0), n_cols,
         eps, offset,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
@@ -207,38 +220,42 @@ def layer_norm_fwd(
     return y, mean, rstd
 
 
-def _bwd_fake(dy, x, weight, mean, rstd, offset, compute_dw, compute_db):
-    n_rows, n_cols = math.prod(x.shape[:-1]), x.shape[-1]
-    param_grads = x.new_empty((int(compute_dw) + int(compute_db), n_cols), dtype=torch.float32)
-    return x.new_empty((n_rows, n_cols)), param_grads
+def _bwd_fake(dy, x, weight, mean, rstd, offset, compute_dw, compute_db, bias_dtype):
+    dw = x.new_empty(x.shape[-1], dtype=weight.dtype) if compute_dw else x.new_empty(0)
+    db = x.new_empty(x.shape[-1], dtype=bias_dtype) if compute_db else x.new_empty(0)
+    return x.new_empty(x.shape), dw, db
 
 
 @tigon_op("layer_norm_bwd", fake=_bwd_fake)
 def layer_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-    offset: float, compute_dw: bool, compute_db: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``dx [N, H]`` in ``x.dtype`` and ``param_grads [k, H]`` in fp32: the rows are
-    ``dw`` (if ``compute_dw``) then ``db`` (if ``compute_db``), stacked so that one reduction
-    finishes both."""
+    offset: float, compute_dw: bool, compute_db: bool, bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dx [..., H]`` in ``x.dtype`` (contiguous), ``dw [H]`` in the weight's dtype
+    and ``db [H]`` in ``bias_dtype`` (each empty unless computed)."""
     x2d, dy2d = as_rows(x), as_rows(dy)
     n_rows, n_cols = x2d.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    dx = x.new_empty(x.shape)
     config = _bwd_launch_config(n_cols, x.element_size())
-    n_programs = max(1, min(triton.cdiv(n_rows, config.block_m), num_programs_for(x.device, config.programs_per_sm)))
+    n_programs = max(1, min(cdiv(n_rows, config.block_m), num_programs_for(x.device, config.programs_per_sm)))
+    weight_dtype = None if weight is None else weight.dtype
     n_param_grads = int(compute_dw) + int(compute_db)
-    partials = torch.empty((n_programs, n_param_grads, n_cols), dtype=torch.float32, device=x.device)
-    layer_norm_bwd_kernel[(n_programs,)](
-        x2d, weight, mean, rstd, dy2d, dx,
-        partials[:, 0] if compute_dw else None, partials[:, -1] if compute_db else None,
+    partials = x.new_empty((n_programs, n_param_grads, n_cols), dtype=torch.float32) if n_param_grads else None
+    launch(
+        layer_norm_bwd_kernel, (n_programs,),
+        x2d, weight, mean, rstd, dy2d, dx, partials,
         n_rows, n_cols,
-        x2d.stride(0), dy2d.stride(0), dx.stride(0), partials.stride(0),
+        x2d.stride(0), dy2d.stride(0), n_cols, n_param_grads * n_cols,
         offset,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
     )
-    return dx, partials.sum(0)
+    dtypes = [dtype for dtype, needed in ((weight_dtype, compute_dw), (bias_dtype, compute_db)) if needed]
+    sums = sum_partials(partials, *dtypes) if dtypes else ()
+    dw = sums[0] if compute_dw else x.new_empty(0)
+    db = sums[-1] if compute_db else x.new_empty(0)
+    return dx, dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -251,16 +268,14 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.offset = offset
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         compute_dw, compute_db = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dx, param_grads = layer_norm_bwd(dy, x, weight, mean, rstd, ctx.offset, compute_dw, compute_db)
-        dw = param_grads[0].to(weight.dtype) if compute_dw else None
-        db = param_grads[-1].to(ctx.bias_dtype) if compute_db else None
-        return dx.view(dy.shape), dw, db, None, None
+        dx, dw, db = layer_norm_bwd(dy, x, weight, mean, rstd, ctx.offset, compute_dw, compute_db, ctx.bias_dtype)
+        return dx, dw if compute_dw else None, db if compute_db else None, None, None
 
 
 def layer_norm(x, weight, bias, eps, offset=0.0):

@@ -51,16 +51,22 @@ one), backward reads x and dy and writes dx (3·N·H; the gated op also reads ga
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from tigon.ops._launch import (
     as_rows,
+    cdiv,
+    launch,
+    next_power_of_2,
     norm_bwd_geometry,
     num_programs_for,
     row_launch_config,
     rows_per_block,
+    sum_partials,
     tigon_op,
 )
 from tigon.ops.gated import gate_activation
@@ -211,19 +217,21 @@ def rms_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid * stride_dw + group_cols, dw_acc, mask=col_mask)
 
 
-def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, group_size, norm_before_gate):
-    """Allocates ``y [N, H]``, the sum (empty without a residual) and ``rstd [N · groups]``, and
-    runs the forward kernel over ``[N, H]`` row views (unit column stride)."""
+def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, group_size, norm_before_gate, shape):
+    """``y`` and, with a residual, the sum, both new and contiguous in ``shape`` (``x``'s), and
+    ``rstd [N · groups]``, from ``[N, H]`` row views (unit column stride); the sum is ``None``
+    without a residual."""
     n_rows, n_cols = x2d.shape
     n_groups = n_cols // group_size
-    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    rstd = torch.empty(n_rows * n_groups, dtype=torch.float32, device=x2d.device)
-    sum_out = torch.empty_like(y) if residual2d is not None else y.new_empty(0)
+    y = x2d.new_empty(shape)
+    rstd = x2d.new_empty(n_rows * n_groups, dtype=torch.float32)
+    sum_out = x2d.new_empty(shape) if residual2d is not None else None
     block_m, block_n, num_warps = _fwd_geometry(group_size, x2d.element_size())
-    rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m), n_groups)](
+    launch(
+        rms_norm_fwd_kernel, (cdiv(n_rows, block_m), n_groups),
         x2d, residual2d, gate2d, weight, y, sum_out, rstd,
         n_rows, group_size,
-        x2d.stride(0), _row_stride(residual2d), _row_stride(gate2d), y.stride(0), _row_stride(sum_out),
+        x2d.stride(0), _row_stride(residual2d), _row_stride(gate2d), n_cols, n_cols,
         eps, offset,
         HAS_RESIDUAL=residual2d is not None, HAS_GATE=gate2d is not None, NORM_BEFORE_GATE=norm_before_gate,
         HAS_WEIGHT=weight is not None, LLAMA_CASTING=casting_mode == "llama",
@@ -234,54 +242,56 @@ def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, grou
 
 
 def _launch_bwd(dy2d, dsum2d, x2d, gate2d, weight, rstd, offset, casting_mode, group_size, norm_before_gate,
-                compute_dw):
-    """``dx [N, H]``, ``dgate [N, H]`` (empty without a gate) and ``dw [H]`` (empty unless
-    ``compute_dw``) from ``[N, H]`` row views."""
+                compute_dw, shape):
+    """``dx`` and, with a gate, ``dgate``, new and contiguous in ``shape`` (``x``'s), and ``dw [H]``
+    in the weight's dtype if ``compute_dw``, from ``[N, H]`` row views; ``None`` for those not computed."""
     n_rows, n_cols = x2d.shape
     n_groups = n_cols // group_size
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    dgate = torch.empty((n_rows, n_cols), dtype=gate2d.dtype, device=x2d.device) if gate2d is not None else dx.new_empty(0)
+    dx = x2d.new_empty(shape)
+    dgate = gate2d.new_empty(shape) if gate2d is not None else None
     block_m, block_n, num_warps, n_programs = _bwd_geometry(group_size, n_rows, n_groups, x2d.device)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if compute_dw else None
-    rms_norm_bwd_kernel[(n_programs, n_groups)](
+    dw_partial = x2d.new_empty((n_programs, n_cols), dtype=torch.float32) if compute_dw else None
+    launch(
+        rms_norm_bwd_kernel, (n_programs, n_groups),
         x2d, gate2d, weight, rstd, dy2d, dsum2d, dx, dgate, dw_partial,
         n_rows, group_size,
-        x2d.stride(0), _row_stride(gate2d), dy2d.stride(0), _row_stride(dsum2d), dx.stride(0),
-        _row_stride(dgate), n_cols,
+        x2d.stride(0), _row_stride(gate2d), dy2d.stride(0), _row_stride(dsum2d), n_cols, n_cols, n_cols,
         offset,
         HAS_DSUM=dsum2d is not None, HAS_GATE=gate2d is not None, NORM_BEFORE_GATE=norm_before_gate,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, LLAMA_CASTING=casting_mode == "llama",
         ROUND_BEFORE_GATE=_rounds_before_gate(x2d, weight, casting_mode),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else x2d.new_empty(0)
+    dw = sum_partials(dw_partial, weight.dtype)[0] if compute_dw else None
     return dx, dgate, dw
 
 
+@functools.lru_cache(maxsize=None)
 def _fwd_geometry(group_size: int, element_size: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the forward, a program per ``BLOCK_M`` rows."""
-    block_n = triton.next_power_of_2(group_size)
+    block_n = next_power_of_2(group_size)
     if block_n < SHORT_ROW:
         return _short_row_tile(block_n, SHORT_ROW_FWD_TILE)
     block_n, num_warps = row_launch_config(group_size, element_size)
     return rows_per_block(group_size), block_n, num_warps
 
 
+@functools.lru_cache(maxsize=4096)
 def _bwd_geometry(group_size: int, n_rows: int, n_groups: int, device: torch.device) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, programs)`` of the backward, ``programs`` per group: the
     short-row grid when there are rows enough to fill it, else the swept persistent one."""
-    block_n = triton.next_power_of_2(group_size)
+    block_n = next_power_of_2(group_size)
     if block_n < SHORT_ROW:
         block_m, block_n, num_warps = _short_row_tile(block_n, SHORT_ROW_BWD_TILE)
         programs = min(
-            triton.cdiv(n_rows, max(block_m, SHORT_ROW_BWD_MIN_ROWS)),
-            triton.cdiv(num_programs_for(device, SHORT_ROW_BWD_PROGRAMS_PER_SM), n_groups),
+            cdiv(n_rows, max(block_m, SHORT_ROW_BWD_MIN_ROWS)),
+            cdiv(num_programs_for(device, SHORT_ROW_BWD_PROGRAMS_PER_SM), n_groups),
         )
         if programs * n_groups >= num_programs_for(device, SHORT_ROW_BWD_MIN_PROGRAMS_PER_SM):
             return block_m, block_n, num_warps, programs
     block_m, num_warps, programs_per_sm = norm_bwd_geometry(block_n)
-    programs = triton.cdiv(num_programs_for(device, programs_per_sm), n_groups)
-    return block_m, block_n, num_warps, max(1, min(triton.cdiv(n_rows, block_m), programs))
+    programs = cdiv(num_programs_for(device, programs_per_sm), n_groups)
+    return block_m, block_n, num_warps, max(1, min(cdiv(n_rows, block_m), programs))
 
 
 def _short_row_tile(block_n: int, tile: int) -> tuple[int, int, int]:
@@ -312,29 +322,47 @@ def _n_rows(x: torch.Tensor) -> int:
     return x.numel() // n_cols if n_cols else 0
 
 
-def _fwd_fake(x, residual, weight, eps, offset, casting_mode):
-    n_rows, n_cols = _n_rows(x), x.shape[-1]
-    y = x.new_empty((n_rows, n_cols))
-    sum_out = x.new_empty((n_rows, n_cols)) if residual is not None else x.new_empty(0)
-    return y, sum_out, x.new_empty(n_rows, dtype=torch.float32)
+def _stats_fake(x, groups=1):
+    return x.new_empty(_n_rows(x) * groups, dtype=torch.float32)
+
+
+def _fwd_fake(x, weight, eps, offset, casting_mode):
+    return x.new_empty(x.shape), _stats_fake(x)
 
 
 @tigon_op("rms_norm_fwd", fake=_fwd_fake)
 def rms_norm_fwd(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., H]`` → ``y [..., H]`` (contiguous) and ``rstd [N]`` fp32."""
+    x2d = as_rows(x)
+    y, _, rstd = _launch_fwd(x2d, None, None, weight, eps, offset, casting_mode, x2d.shape[1], True, x.shape)
+    return y, rstd
+
+
+def _fused_add_fwd_fake(x, residual, weight, eps, offset, casting_mode):
+    return x.new_empty(x.shape), x.new_empty(x.shape), _stats_fake(x)
+
+
+@tigon_op("fused_add_rms_norm_fwd", fake=_fused_add_fwd_fake)
+def fused_add_rms_norm_fwd(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
     eps: float, offset: float, casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x, residual [..., H]`` → ``y [N, H]``, ``x + residual [N, H]`` (empty without a residual),
-    ``rstd [N]`` fp32 (of the sum when a residual is given)."""
+    """``x, residual [..., H]`` → ``y``, ``x + residual`` (both ``[..., H]``, contiguous) and the
+    sum's ``rstd [N]`` fp32."""
     x2d = as_rows(x)
-    residual2d = as_rows(residual) if residual is not None else None
-    return _launch_fwd(x2d, residual2d, None, weight, eps, offset, casting_mode, x2d.shape[1], True)
+    return _launch_fwd(x2d, as_rows(residual), None, weight, eps, offset, casting_mode, x2d.shape[1], True, x.shape)
+
+
+def _param_grad_fake(x, weight, weight_requires_grad):
+    if weight is not None and weight_requires_grad:
+        return x.new_empty(x.shape[-1], dtype=weight.dtype)
+    return x.new_empty(0)
 
 
 def _bwd_fake(dy, dsum, x, weight, rstd, offset, weight_requires_grad):
-    n_rows, n_cols = _n_rows(x), x.shape[-1]
-    dw = x.new_empty(n_cols, dtype=weight.dtype) if weight is not None and weight_requires_grad else x.new_empty(0)
-    return x.new_empty((n_rows, n_cols)), dw
+    return x.new_empty(x.shape), _param_grad_fake(x, weight, weight_requires_grad)
 
 
 @tigon_op("rms_norm_bwd", fake=_bwd_fake)
@@ -342,21 +370,20 @@ def rms_norm_bwd(
     dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None,
     rstd: torch.Tensor, offset: float, weight_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``dx [N, H]`` (including ``dsum``, the gradient arriving at ``x + residual``)
+    """Gradients ``dx [..., H]`` (including ``dsum``, the gradient arriving at ``x + residual``)
     and ``dw [H]`` (empty when the weight is absent or frozen)."""
     x2d = as_rows(x)
     dsum2d = as_rows(dsum) if dsum is not None else None
     # The backward recomputes x̂ unrounded in either casting mode, so the mode does not matter here.
     dx, _, dw = _launch_bwd(
         as_rows(dy), dsum2d, x2d, None, weight, rstd, offset, "gemma", x2d.shape[1], True,
-        weight is not None and weight_requires_grad,
+        weight is not None and weight_requires_grad, x.shape,
     )
-    return dx, dw
+    return dx, x.new_empty(0) if dw is None else dw
 
 
 def _gated_fwd_fake(x, gate, weight, eps, group_size, norm_before_gate, casting_mode):
-    n_rows, n_cols = _n_rows(x), x.shape[-1]
-    return x.new_empty((n_rows, n_cols)), x.new_empty(n_rows * (n_cols // group_size), dtype=torch.float32)
+    return x.new_empty(x.shape), _stats_fake(x, x.shape[-1] // group_size)
 
 
 @tigon_op("rms_norm_gated_fwd", fake=_gated_fwd_fake)
@@ -364,18 +391,18 @@ def rms_norm_gated_fwd(
     x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
     group_size: int, norm_before_gate: bool, casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x, gate [..., H]`` → ``y [N, H]`` in ``x.dtype`` and ``rstd [N · H / group_size]`` fp32
-    (row-major over rows, then groups)."""
+    """``x, gate [..., H]`` → ``y [..., H]`` in ``x.dtype`` (contiguous) and
+    ``rstd [N · H / group_size]`` fp32 (row-major over rows, then groups)."""
     gate2d = as_rows(gate) if gate is not None else None
-    y, _, rstd = _launch_fwd(as_rows(x), None, gate2d, weight, eps, 0.0, casting_mode, group_size, norm_before_gate)
+    y, _, rstd = _launch_fwd(
+        as_rows(x), None, gate2d, weight, eps, 0.0, casting_mode, group_size, norm_before_gate, x.shape,
+    )
     return y, rstd
 
 
 def _gated_bwd_fake(dy, x, gate, weight, rstd, group_size, norm_before_gate, casting_mode, weight_requires_grad):
-    n_rows, n_cols = _n_rows(x), x.shape[-1]
-    dgate = gate.new_empty((n_rows, n_cols)) if gate is not None else x.new_empty(0)
-    dw = x.new_empty(n_cols, dtype=weight.dtype) if weight is not None and weight_requires_grad else x.new_empty(0)
-    return x.new_empty((n_rows, n_cols)), dgate, dw
+    dgate = gate.new_empty(x.shape) if gate is not None else x.new_empty(0)
+    return x.new_empty(x.shape), dgate, _param_grad_fake(x, weight, weight_requires_grad)
 
 
 @tigon_op("rms_norm_gated_bwd", fake=_gated_bwd_fake)
@@ -383,13 +410,14 @@ def rms_norm_gated_bwd(
     dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, rstd: torch.Tensor,
     group_size: int, norm_before_gate: bool, casting_mode: str, weight_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``dx [N, H]``, ``dgate [N, H]`` (empty without a gate) and ``dw [H]`` (empty when
-    the weight is absent or frozen)."""
+    """Gradients ``dx [..., H]``, ``dgate [..., H]`` (empty without a gate) and ``dw [H]`` (empty
+    when the weight is absent or frozen)."""
     gate2d = as_rows(gate) if gate is not None else None
-    return _launch_bwd(
+    dx, dgate, dw = _launch_bwd(
         as_rows(dy), None, as_rows(x), gate2d, weight, rstd, 0.0, casting_mode, group_size, norm_before_gate,
-        weight is not None and weight_requires_grad,
+        weight is not None and weight_requires_grad, x.shape,
     )
+    return dx, x.new_empty(0) if dgate is None else dgate, x.new_empty(0) if dw is None else dw
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -397,22 +425,21 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting_mode):
-        y, sum_out, rstd = rms_norm_fwd(x, residual, weight, eps, offset, casting_mode)
-        normed_input = sum_out if residual is not None else x
-        ctx.save_for_backward(normed_input, weight, rstd)
         ctx.offset = offset
         ctx.has_residual = residual is not None
-        y = y.view(x.shape)
         if residual is None:
+            y, rstd = rms_norm_fwd(x, weight, eps, offset, casting_mode)
+            ctx.save_for_backward(x, weight, rstd)
             return y
-        return y, sum_out.view(x.shape)
+        y, sum_out, rstd = fused_add_rms_norm_fwd(x, residual, weight, eps, offset, casting_mode)
+        ctx.save_for_backward(sum_out, weight, rstd)
+        return y, sum_out
 
     @staticmethod
     def backward(ctx, dy, dsum=None):
         normed_input, weight, rstd = ctx.saved_tensors
         weight_requires_grad = weight is not None and ctx.needs_input_grad[2]
         dx, dw = rms_norm_bwd(dy, dsum, normed_input, weight, rstd, ctx.offset, weight_requires_grad)
-        dx = dx.view(dy.shape)
         return dx, dx if ctx.has_residual else None, dw if weight_requires_grad else None, None, None, None
 
 
@@ -425,7 +452,7 @@ class RMSNormGatedFunction(torch.autograd.Function):
         y, rstd = rms_norm_gated_fwd(x, gate, weight, eps, group_size, norm_before_gate, casting_mode)
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.options = (group_size, norm_before_gate, casting_mode)
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -433,8 +460,8 @@ class RMSNormGatedFunction(torch.autograd.Function):
         weight_requires_grad = weight is not None and ctx.needs_input_grad[2]
         dx, dgate, dw = rms_norm_gated_bwd(dy, x, gate, weight, rstd, *ctx.options, weight_requires_grad)
         return (
-            dx.view(dy.shape),
-            dgate.view(dy.shape) if gate is not None and ctx.needs_input_grad[1] else None,
+            dx,
+            dgate if gate is not None and ctx.needs_input_grad[1] else None,
             dw if weight_requires_grad else None,
             None, None, None, None,
         )

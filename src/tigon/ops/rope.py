@@ -51,13 +51,14 @@ through shared memory.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import num_programs_for, rows_per_block, tigon_op
+from tigon.ops._launch import cdiv, launch, next_power_of_2, num_programs_for, rows_per_block, tigon_op
 
 # A program rotates at most this many heads with one load of its cos/sin rows; fewer when the
 # grid would otherwise be too small to fill the GPU.
@@ -265,6 +266,29 @@ def _mrope_bounds(mrope_section, mrope_interleaved: bool) -> tuple[int, int, int
     return MROPE_SECTIONED, t, t + h
 
 
+@functools.lru_cache(maxsize=4096)
+def _geometry(batch, n_heads, seq_len, head_dim, half_rotary, interleaved, element_size, device):
+    """``(grid, heads per program, BLOCK_T, BLOCK_HALF, num_warps)`` of :func:`rope_rotate`."""
+    block_t = min(next_power_of_2(seq_len), rows_per_block(head_dim, min_elements=2048, max_rows=64))
+    position_blocks = cdiv(seq_len, block_t)
+    # Share each cos/sin load across up to MAX_HEADS_PER_PROGRAM heads, unless that leaves fewer
+    # programs than the GPU holds at once: a short grid runs one partial wave and idles the rest.
+    heads_per_program = max(
+        1, min(MAX_HEADS_PER_PROGRAM, batch * position_blocks * n_heads // num_programs_for(device, 8))
+    )
+    grid = (position_blocks, batch, cdiv(n_heads, heads_per_program))
+    block_half = next_power_of_2(half_rotary)
+    if interleaved:
+        # A thread splits each 16-byte vector it loads of an interleaved slice into half as many
+        # pairs. With at most 8 bytes of a [block_t, block_half] half per thread, those are the
+        # very pairs it reads or writes on the half-split side and in the tables: no value has to
+        # cross threads (Triton would exchange them through shared memory in the loop).
+        num_warps = max(1, min(16, block_t * block_half * element_size // 256))
+    else:
+        num_warps = max(1, min(4, block_t * next_power_of_2(head_dim) // 512))
+    return grid, heads_per_program, block_t, block_half, num_warps
+
+
 def _rotate_fake(q, k, cos, sin, transposed, rotary_dim, *options):
     return _rotated_like(q), _rotated_like(k)
 
@@ -288,40 +312,22 @@ def rope_rotate(
     cos, sin = _unit_feature_stride(cos), _unit_feature_stride(sin)
     batch, q_heads, seq_len, head_dim = q.shape
     n_heads = q_heads + k.shape[1]
-
     half_rotary, pass_dim = rotary_dim // 2, head_dim - rotary_dim
     mrope, mrope_bound_1, mrope_bound_2 = _mrope_bounds(mrope_section, mrope_interleaved)
-    block_t = min(triton.next_power_of_2(seq_len), rows_per_block(head_dim, min_elements=2048, max_rows=64))
-    position_blocks = triton.cdiv(seq_len, block_t)
-    # Share each cos/sin load across up to MAX_HEADS_PER_PROGRAM heads, unless that leaves fewer
-    # programs than the GPU holds at once: a short grid runs one partial wave and idles the rest.
-    heads_per_program = max(
-        1, min(MAX_HEADS_PER_PROGRAM, batch * position_blocks * n_heads // num_programs_for(q.device, 8))
+    grid, heads_per_program, block_t, block_half, num_warps = _geometry(
+        batch, n_heads, seq_len, head_dim, half_rotary, interleaved, q.element_size(), q.device,
     )
-    grid = (position_blocks, batch, triton.cdiv(n_heads, heads_per_program))
-    block_half = triton.next_power_of_2(half_rotary)
-    if interleaved:
-        # A thread splits each 16-byte vector it loads of an interleaved slice into half as many
-        # pairs. With at most 8 bytes of a [block_t, block_half] half per thread, those are the
-        # very pairs it reads or writes on the half-split side and in the tables: no value has to
-        # cross threads (Triton would exchange them through shared memory in the loop).
-        num_warps = max(1, min(16, block_t * block_half * q.element_size() // 256))
-    else:
-        num_warps = max(1, min(4, block_t * triton.next_power_of_2(head_dim) // 512))
-    rope_kernel[grid](
+    launch(
+        rope_kernel, grid,
         q, k, cos, sin, q_out, k_out,
         seq_len, q_heads, n_heads, heads_per_program, mrope_bound_1, mrope_bound_2,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
         *_table_strides(cos), *_table_strides(sin),
         HALF_ROTARY=half_rotary, PASS_DIM=pass_dim,
         ROTARY_START=pass_dim if rotary_last else 0, PASS_START=0 if rotary_last else rotary_dim,
         PAIRS_INTERLEAVED=interleaved, OUT_INTERLEAVED=interleaved and not deinterleave_output,
         HALF_TABLE=cos.shape[-1] == half_rotary, MROPE=mrope, TRANSPOSED=transposed,
-        BLOCK_T=block_t, BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
+        BLOCK_T=block_t, BLOCK_HALF=block_half, BLOCK_PASS=next_power_of_2(max(pass_dim, 1)),
         num_warps=num_warps,
     )
     return q_out, k_out
