@@ -2,6 +2,7 @@
 the measuring logic driven by a stand-in for the GPU timer (so it runs without a GPU)."""
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -64,18 +65,27 @@ def test_roofline_matches_anchor_floors(op, unit_rate, floor_ms):
 
 @pytest.fixture
 def fake_device_timing(monkeypatch):
-    """The GPU timer replaced by three calls of the step returning queued times (host time
-    0.01 ms); without a GPU the CUDA memory counters are stubbed (1 MiB peak)."""
+    """The GPU timers replaced by three calls of the step: the GPU time is popped from the queue
+    this returns (host time 0.01 ms), the launch-inclusive time is 0.25 ms above the larger of
+    the two; without a GPU the CUDA memory counters are stubbed (1 MiB peak)."""
     times = []
 
-    def median_ms(step, cases):
+    def run_step(step, cases):
         for _ in range(3):
             for leaf in (leaf for case in cases for leaf in case.leaves()):
                 leaf.grad = None
             step()
+
+    def median_ms(step, cases):
+        run_step(step, cases)
         return times.pop(0), 0.01
 
+    def back_to_back_ms(step, cases, per_call_ms):
+        run_step(step, cases)
+        return per_call_ms + 0.25
+
     monkeypatch.setattr(runner, "_median_ms", median_ms)
+    monkeypatch.setattr(runner, "_back_to_back_ms", back_to_back_ms)
     if not ON_GPU:
         for name, value in (("synchronize", None), ("reset_peak_memory_stats", None),
                             ("memory_allocated", 0), ("max_memory_allocated", 2**20)):
@@ -94,7 +104,7 @@ def test_measure_times_each_mode(fake_device_timing, mode):
     fn, build = _tigon_case("rms_norm", 96)
     fake_device_timing.append(0.5)
     result = runner.measure(fn, build, mode, grads_in_forward=False, l2_bytes=1)
-    assert (result.status, result.time_ms, result.host_ms, result.notes) == ("ok", 0.5, 0.01, [])
+    assert (result.status, result.time_ms, result.host_ms, result.launch_ms, result.notes) == ("ok", 0.5, 0.01, 0.75, [])
     assert result.peak_mib > 0
 
 
@@ -103,6 +113,35 @@ def test_backward_of_grads_in_forward_is_full_minus_forward(fake_device_timing):
     fake_device_timing.extend([3.0, 1.0])  # full, then forward
     result = runner.measure(fn, build, "backward", grads_in_forward=True, l2_bytes=1)
     assert (result.status, result.time_ms, result.notes) == ("ok", 2.0, [f"{runner.DERIVED_BACKWARD_NOTE} (gradients written during forward)"])
+    assert result.launch_ms == pytest.approx(2.0)  # (3.0 + 0.25) - (1.0 + 0.25)
+
+
+def test_launch_inclusive_time_and_ratio_are_reported(fake_device_timing, tmp_path, monkeypatch, capsys):
+    from tigon.bench import command, report
+
+    fake_device_timing.extend([0.5, 0.25])  # tigon, then torch
+    monkeypatch.setattr(command, "run_device", lambda smoke: (False, DEVICE, "Test GPU"))
+    monkeypatch.setattr(runner, "measure_ceilings", lambda device: runner.Ceilings(3000.0, 700.0))
+    monkeypatch.setattr(runner, "l2_cache_bytes", lambda device: 1)
+    monkeypatch.setattr(report, "write_plots", lambda *args: [])
+    argv = ["rms_norm", "--quick", "--providers", "tigon", "torch", "--out", str(tmp_path)]
+    spec = command.OPS["rms_norm"]
+    monkeypatch.setitem(command.OPS, "rms_norm", dataclasses.replace(spec, sweep=spec.smoke))  # CPU-sized
+    assert command.main(argv) == 0
+
+    rows = {row["provider"]: row for row in json.loads((tmp_path / "bench-bf16-full-quick.json").read_text())["results"]}
+    assert (rows["tigon"]["launch_ms"], rows["tigon"]["launch_ratio"]) == (0.75, 1.5)
+    assert (rows["torch"]["launch_ms"], rows["torch"]["launch_ratio"]) == (0.5, 2.0)
+    with (tmp_path / "bench-bf16-full-quick.csv").open() as handle:
+        assert next(csv.DictReader(handle))["launch_ratio"] == "1.5"
+    table = capsys.readouterr().out
+    assert "launch" in table and "1.50x" in table and "2.00x" in table
+
+
+def test_smoke_run_records_no_launch_time(tmp_path):
+    assert main(["rms_norm", "--smoke", "--quick", "--providers", "tigon", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "bench-bf16-full-quick.json").read_text())["results"]
+    assert row["status"] == "smoke" and row["launch_ms"] is None and row["launch_ratio"] is None
 
 
 def test_failing_provider_is_recorded_not_raised(fake_device_timing):

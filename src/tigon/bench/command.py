@@ -109,6 +109,7 @@ def _sweep(args, sweeps, tables, device, smoke, l2_bytes) -> list[dict]:
                 "work": spec.work_for(dims, dtype.itemsize, args.mode), "unit": spec.unit,
                 "peak_mib": None if result.peak_mib is None else round(result.peak_mib, 1),
                 "host_ms": None if result.host_ms is None else round(result.host_ms, 4),
+                "launch_ms": None if result.launch_ms is None else round(result.launch_ms, 5),
                 "smoke": smoke, "note": "; ".join(result.notes),
             })
             progress.update()
@@ -123,7 +124,10 @@ def _meta(args, sweeps, tables, skipped, device, gpu, smoke, ceilings, l2_bytes)
         timing = (
             f"GPU time: median over {runner.MIN_CALLS}-{runner.MAX_CALLS} calls, each enqueued behind a sleep kernel "
             f"longer than the host needs to launch it (CUDA events around the call), after {runner.WARMUP_CALLS} "
-            f"warm-up calls; host_ms is one call's host time with the GPU idle; inputs rotated over copies "
+            f"warm-up calls; host_ms is one call's host time with the GPU idle; launch_ms is the launch-inclusive "
+            f"time, CUDA events around {runner.MIN_CALLS}-{runner.MAX_CALLS} calls made back to back (no sleep) divided "
+            f"by their number, median of {runner.BACK_TO_BACK_RUNS} runs, and launch_ratio = launch_ms / time_ms; "
+            f"inputs rotated over copies "
             f"exceeding 4x L2 ({l2_bytes} bytes), at most {runner.MAX_INPUT_SETS}; floor = bytes over the copy "
             f"ceiling, or FLOPs over the matmul ceiling"
         )

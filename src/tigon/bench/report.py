@@ -12,7 +12,7 @@ from tigon.bench.specs import BYTES
 COLUMNS = (
     "op", "axis", "size", "headline", "shape", "dtype", "mode", "provider", "status",
     "time_ms", "work", "unit", "floor_ms", "gbps", "tflops", "pct_of_ceiling",
-    "speedup_vs_torch", "speedup_vs_compile", "peak_mib", "host_ms", "smoke", "note",
+    "speedup_vs_torch", "speedup_vs_compile", "peak_mib", "host_ms", "launch_ms", "launch_ratio", "smoke", "note",
 )
 
 SMOKE_BANNER = (
@@ -22,18 +22,25 @@ SMOKE_BANNER = (
 
 
 def add_derived_columns(rows: list[dict], ceilings: Ceilings | None) -> None:
-    """Fill floor, GB/s or TFLOP/s, % of the ceiling and the speedups over torch and torch.compile
-    (their time divided by this row's: above 1 is faster)."""
+    """Fill floor, GB/s or TFLOP/s, % of the ceiling, the speedups over torch and torch.compile
+    (their time divided by this row's: above 1 is faster) and the launch-inclusive time over the
+    GPU time."""
     baseline = {
         (row["op"], row["size"], row["provider"]): row["time_ms"]
         for row in rows
         if row["status"] == "ok" and row["provider"] in ("torch", "torch.compile")
     }
     for row in rows:
-        for column in ("floor_ms", "gbps", "tflops", "pct_of_ceiling", "speedup_vs_torch", "speedup_vs_compile"):
+        for column in (
+            "floor_ms", "gbps", "tflops", "pct_of_ceiling", "speedup_vs_torch", "speedup_vs_compile", "launch_ratio",
+        ):
             row[column] = None
         time_ms = row["time_ms"]
-        if row["status"] != "ok" or ceilings is None or time_ms is None or time_ms <= 0:
+        if row["status"] != "ok" or time_ms is None or time_ms <= 0:
+            continue
+        if row["launch_ms"] is not None:
+            row["launch_ratio"] = round(row["launch_ms"] / time_ms, 2)
+        if ceilings is None:
             continue
         if row["unit"] == BYTES:
             row["floor_ms"] = row["work"] / (ceilings.copy_gbps * 1e6)
@@ -67,7 +74,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
             f"{meta['gpu']}: copy ceiling {ceilings['copy_gbps']:.0f} GB/s (read + write), "
             f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s. Median times, mode {meta['mode']}; "
             "floor = work / ceiling; vs torch / vs compile = their time / this time; "
-            "peak = extra MiB of one forward+backward; host = the host's ms per call (hidden while the GPU is behind).",
+            "peak = extra MiB of one forward+backward; host = the host's ms per call (hidden while the GPU is behind); "
+            "launch = ms per call made back to back (host time not hidden), /gpu = launch / time.",
             "",
         ]
     for op in dict.fromkeys(row["op"] for row in rows):
@@ -80,7 +88,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
         else:
             lines.append(
                 f"  {first['axis']:>8}  {'provider':<14}{'time ms':>9}{'floor':>8}{rate:>9}{'% ceil':>8}"
-                f"{'vs torch':>10}{'vs compile':>11}{'peak MiB':>10}{'host ms':>9}  note"
+                f"{'vs torch':>10}{'vs compile':>11}{'peak MiB':>10}{'host ms':>9}{'launch':>9}{'/gpu':>7}  note"
             )
         for row in op_rows:
             size = ("* " if row["headline"] else "") + str(row["size"])
@@ -93,6 +101,7 @@ def format_table(rows: list[dict], meta: dict) -> str:
                     f"{_fmt(row['pct_of_ceiling'], '.0f', '%'):>8}"
                     f"{_fmt(row['speedup_vs_torch'], '.2f', 'x'):>10}{_fmt(row['speedup_vs_compile'], '.2f', 'x'):>11}"
                     f"{_fmt(row['peak_mib'], '.0f'):>10}{_fmt(row['host_ms'], '.3f'):>9}"
+                    f"{_fmt(row['launch_ms'], '.3f'):>9}{_fmt(row['launch_ratio'], '.2f', 'x'):>7}"
                 )
             lines.append(f"  {size:>8}  {row['provider']:<14}{columns}  {_status_and_note(row)}")
         lines.append("")

@@ -10,6 +10,12 @@ the host then waits, and everything it enqueues afterwards runs at the host's pa
 time of one call is recorded beside it (``host_ms``, measured with the GPU idle). Each time is
 the median over many calls after warm-up.
 
+**Launch-inclusive time.** What the call costs when nothing else hides its host time: the events
+enclose K calls made back to back (no sleep ahead of them), so the GPU waits whenever the host is
+behind, and the time is divided by K (``launch_ms``; the median of a few such runs). It is about
+``max(GPU time, host time)``: an op whose host side is slower than its kernels shows it here, and
+``launch_ratio = launch_ms / time_ms`` says by how much.
+
 L2 (50 MB on an H100) must not flatter small shapes: every measurement rotates through several
 copies of its inputs, as many as needed for the copies together to exceed 4× the L2 size (at most
 ``MAX_INPUT_SETS``; one set when a single set is already that large), so no call finds its
@@ -40,6 +46,7 @@ WARMUP_MS = 25
 REP_MS = 100
 WARMUP_CALLS = 3
 MIN_CALLS, MAX_CALLS = 10, 200
+BACK_TO_BACK_RUNS = 3
 MAX_INPUT_SETS = 16
 L2_FALLBACK_BYTES = 50 * 2**20
 COPY_BYTES = 2 * 2**30  # source of the ceiling copy (as much again is written)
@@ -60,6 +67,7 @@ class Measurement:
     time_ms: float | None = None
     peak_mib: float | None = None
     host_ms: float | None = None
+    launch_ms: float | None = None  # launch-inclusive: calls back to back, host time not hidden
     notes: list[str] = field(default_factory=list)
 
 
@@ -145,14 +153,21 @@ def _sleep_cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
-def _median_ms(step: Callable[[], Any], cases: list[Case]) -> tuple[float, float]:
-    """(median GPU ms of ``step`` enqueued behind a sleep, host ms of one ``step``)."""
+def _clear_grads_of(cases: list[Case]) -> Callable[[], None]:
+    """Sets every leaf's gradient to ``None``, so that each call allocates fresh gradients instead of
+    accumulating (as a training step after ``zero_grad(set_to_none=True)``)."""
     leaves = [leaf for case in cases for leaf in case.leaves()]
 
-    def clear_grads():  # each call allocates fresh gradients instead of accumulating
+    def clear_grads():
         for leaf in leaves:
             leaf.grad = None
 
+    return clear_grads
+
+
+def _median_ms(step: Callable[[], Any], cases: list[Case]) -> tuple[float, float]:
+    """(median GPU ms of ``step`` enqueued behind a sleep, host ms of one ``step``)."""
+    clear_grads = _clear_grads_of(cases)
     for _ in range(WARMUP_CALLS):
         clear_grads()
         step()
@@ -173,24 +188,63 @@ def _median_ms(step: Callable[[], Any], cases: list[Case]) -> tuple[float, float
     return times[len(times) // 2], host_ms
 
 
-def _time_forward(fn, cases):
+def _back_to_back_ms(step: Callable[[], Any], cases: list[Case], per_call_ms: float) -> float:
+    """Launch-inclusive ms of one ``step``: the median over ``BACK_TO_BACK_RUNS`` runs of K calls
+    made back to back between two events (nothing ahead of them on the GPU), divided by K.
+    ``per_call_ms``, the larger of the GPU and host times, sizes K to about ``REP_MS`` in all."""
+    clear_grads = _clear_grads_of(cases)
+    calls = max(MIN_CALLS, min(MAX_CALLS, math.ceil(REP_MS / BACK_TO_BACK_RUNS / max(per_call_ms, 1e-3))))
+    times = []
+    for _ in range(BACK_TO_BACK_RUNS):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            clear_grads()
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _timings(step: Callable[[], Any], cases: list[Case]) -> tuple[float, float, float]:
+    """(GPU ms, host ms, launch-inclusive ms) of ``step``."""
+    time_ms, host_ms = _median_ms(step, cases)
+    return time_ms, host_ms, _back_to_back_ms(step, cases, max(time_ms, host_ms))
+
+
+def _forward_step(fn, cases):
     rotation = itertools.cycle(cases)
-    return _median_ms(lambda: fn(next(rotation).args), cases)
+    return lambda: fn(next(rotation).args)
 
 
-def _time_full(fn, cases):
+def _full_step_rotating(fn, cases):
     rotation = itertools.cycle(cases)
-    return _median_ms(lambda: _full_step(fn, next(rotation)), cases)
+    return lambda: _full_step(fn, next(rotation))
 
 
-def _time_backward(fn, cases):
+def _backward_step(fn, cases):
     graphs = itertools.cycle([(fn(case.args), case) for case in cases])
 
     def step():
         outputs, case = next(graphs)
         _backward(outputs, case, retain_graph=True)
 
-    return _median_ms(step, cases)
+    return step
+
+
+def _time_forward(fn, cases):
+    return _median_ms(_forward_step(fn, cases), cases)
+
+
+def _time_full(fn, cases):
+    return _median_ms(_full_step_rotating(fn, cases), cases)
+
+
+def _time_backward(fn, cases):
+    return _median_ms(_backward_step(fn, cases), cases)
 
 
 def input_sets(build: Callable[[], Case], l2_bytes: int) -> list[Case]:
@@ -208,25 +262,26 @@ def measure(fn, build: Callable[[], Case], mode: str, grads_in_forward: bool, l2
         _full_step(fn, cases[0])  # compiles (Triton JIT, torch.compile, autotuning) outside the timing
         peak_mib = _peak_extra_mib(fn, cases[0])
         notes = []
-        host_ms = None
+        time_ms = host_ms = launch_ms = None
         if mode == "forward":
-            time_ms, host_ms = _time_forward(fn, cases)
+            time_ms, host_ms, launch_ms = _timings(_forward_step(fn, cases), cases)
         elif mode == "full":
-            time_ms, host_ms = _time_full(fn, cases)
+            time_ms, host_ms, launch_ms = _timings(_full_step_rotating(fn, cases), cases)
         else:
-            time_ms = None
             if grads_in_forward:
                 notes.append(f"{DERIVED_BACKWARD_NOTE} (gradients written during forward)")
             else:
                 try:
-                    time_ms, host_ms = _time_backward(fn, cases)
+                    time_ms, host_ms, launch_ms = _timings(_backward_step(fn, cases), cases)
                 except torch.cuda.OutOfMemoryError:
                     raise
                 except RuntimeError as error:  # e.g. torch.compile's donated buffers forbid retain_graph
                     notes.append(f"{DERIVED_BACKWARD_NOTE} (backward cannot be re-run: {_first_line(error, 80)})")
             if time_ms is None:
-                time_ms = _time_full(fn, cases)[0] - _time_forward(fn, cases)[0]
-        return Measurement("ok", time_ms, peak_mib, host_ms, notes)
+                full = _timings(_full_step_rotating(fn, cases), cases)
+                forward = _timings(_forward_step(fn, cases), cases)
+                time_ms, launch_ms = full[0] - forward[0], full[2] - forward[2]
+        return Measurement("ok", time_ms, peak_mib, host_ms, launch_ms, notes)
     except torch.cuda.OutOfMemoryError:
         return Measurement("oom", notes=["out of memory"])
     except Exception as error:  # a provider failing on one shape must not end the run
