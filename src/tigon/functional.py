@@ -186,20 +186,22 @@ def _check_rope_table(name, table, batch, seq_len, rotary_dim, mrope):
     """A cos/sin table's shape: ``[B or 1, T, W]`` or ``[T, W]`` (M-RoPE: ``[3, B or 1, T, W]``)
     with ``W = rotary_dim`` or ``rotary_dim/2``."""
     check_tensor(name, table)
-    shape, widths = tuple(table.shape), (rotary_dim, rotary_dim // 2)
+    shape = tuple(table.shape)
     if mrope:
         table_ok = len(shape) == 4 and shape[0] == 3 and shape[1] in (1, batch) and shape[2] == seq_len
-        expected = f"[3, B or 1, T, rotary_dim] = [3, {batch} or 1, {seq_len}, {rotary_dim}] (time, height, width planes)"
     elif len(shape) == 2:
         table_ok = shape[0] == seq_len
-        expected = f"[B or 1, T, rotary_dim] = [{batch} or 1, {seq_len}, {rotary_dim}] or [T, rotary_dim]"
     else:
         table_ok = len(shape) == 3 and shape[0] in (1, batch) and shape[1] == seq_len
+    if table_ok and shape[-1] in (rotary_dim, rotary_dim // 2):
+        return
+    if mrope:
+        expected = f"[3, B or 1, T, rotary_dim] = [3, {batch} or 1, {seq_len}, {rotary_dim}] (time, height, width planes)"
+    else:
         expected = f"[B or 1, T, rotary_dim] = [{batch} or 1, {seq_len}, {rotary_dim}] or [T, rotary_dim]"
-    if not (table_ok and shape[-1] in widths):
-        raise ValueError(
-            f"{name} must be {expected}, or of width rotary_dim/2 = {rotary_dim // 2} (one angle per pair); got {shape}"
-        )
+    raise ValueError(
+        f"{name} must be {expected}, or of width rotary_dim/2 = {rotary_dim // 2} (one angle per pair); got {shape}"
+    )
 
 
 def _check_mrope_section(mrope_section, rotary_dim):
