@@ -424,6 +424,12 @@ def relu2_bwd_inplace(dout: torch.Tensor, x: torch.Tensor) -> None:
     _launch_relu2_bwd(dout, x, x)
 
 
+def _rows_as(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``rows [N, C]`` viewed with the leading dimensions of ``like [..., C']``: itself when ``like``
+    is 2-D, skipping a view's host time (~5 µs)."""
+    return rows if like.dim() == 2 else rows.view(*like.shape[:-1], rows.shape[-1])
+
+
 class GatedFunction(torch.autograd.Function):
     """Saves ``gate`` and ``up`` as ``[rows, cols]`` views; ``act(gate)`` is recomputed in backward.
 
@@ -439,7 +445,7 @@ class GatedFunction(torch.autograd.Function):
         ctx.save_for_backward(gate_rows, up_rows)
         ctx.activation = activation
         ctx.inplace_backward = inplace_backward
-        return out.view(gate.shape)
+        return _rows_as(out, gate)
 
     @staticmethod
     def backward(ctx, dout):
@@ -451,8 +457,8 @@ class GatedFunction(torch.autograd.Function):
         else:
             d_gate, d_up = gated_bwd(dout_rows, gate_rows, up_rows, ctx.activation)
         return (
-            d_gate.view(dout.shape) if ctx.needs_input_grad[0] else None,
-            d_up.view(dout.shape) if ctx.needs_input_grad[1] else None,
+            _rows_as(d_gate, dout) if ctx.needs_input_grad[0] else None,
+            _rows_as(d_up, dout) if ctx.needs_input_grad[1] else None,
             None,
             None,
         )
@@ -468,7 +474,7 @@ class SwiGLUClampedFunction(torch.autograd.Function):
         out = swiglu_clamped_fwd(gate_up_rows, alpha, limit)
         ctx.save_for_backward(gate_up_rows)
         ctx.alpha, ctx.limit, ctx.inplace_backward = alpha, limit, inplace_backward
-        return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        return _rows_as(out, gate_up)
 
     @staticmethod
     def backward(ctx, dout):
@@ -479,7 +485,7 @@ class SwiGLUClampedFunction(torch.autograd.Function):
             d_gate_up = gate_up_rows
         else:
             d_gate_up = swiglu_clamped_bwd(dout_rows, gate_up_rows, ctx.alpha, ctx.limit)
-        return d_gate_up.view(*dout.shape[:-1], 2 * dout.shape[-1]), None, None, None
+        return _rows_as(d_gate_up, dout), None, None, None
 
 
 class ReLU2Function(torch.autograd.Function):
@@ -492,7 +498,7 @@ class ReLU2Function(torch.autograd.Function):
         out = relu2_fwd(x_rows)
         ctx.save_for_backward(x_rows)
         ctx.inplace_backward = inplace_backward
-        return out.view(x.shape)
+        return _rows_as(out, x)
 
     @staticmethod
     def backward(ctx, dout):
@@ -503,7 +509,7 @@ class ReLU2Function(torch.autograd.Function):
             dx = x_rows
         else:
             dx = relu2_bwd(dout_rows, x_rows)
-        return dx.view(dout.shape), None
+        return _rows_as(dx, dout), None
 
 
 class GatedLinearFunction(torch.autograd.Function):
@@ -517,7 +523,7 @@ class GatedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(gate_rows, up_rows, weight)
         ctx.activation, ctx.inplace_backward = activation, inplace_backward
         ctx.has_bias = bias is not None
-        return out.view(*gate.shape[:-1], weight.shape[0])
+        return _rows_as(out, gate)
 
     @staticmethod
     def backward(ctx, dout):
@@ -530,10 +536,9 @@ class GatedLinearFunction(torch.autograd.Function):
             d_gate, d_up = gate_rows, up_rows
         grad_weight = dout_rows.T @ dh_then_h if ctx.needs_input_grad[2] else None
         grad_bias = dout_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        shape = (*dout.shape[:-1], gate_rows.shape[1])
         return (
-            d_gate.view(shape) if ctx.needs_input_grad[0] else None,
-            d_up.view(shape) if ctx.needs_input_grad[1] else None,
+            _rows_as(d_gate, dout) if ctx.needs_input_grad[0] else None,
+            _rows_as(d_up, dout) if ctx.needs_input_grad[1] else None,
             grad_weight, grad_bias, None, None,
         )
 
