@@ -11,9 +11,13 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton import knobs
+except ImportError:  # Triton before 3.4
+    knobs = None
 
 # Widest row a single program holds in registers (elements); longer rows loop over blocks.
 MAX_FUSED_ROW = 65536
@@ -139,6 +143,9 @@ def num_programs_for(device: torch.device, programs_per_sm: int = 1) -> int:
 
 
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
+# The Triton whose launch path :func:`launch` reproduces (``JITFunction.run``, its specialisation
+# and the CUDA and HIP launchers' arguments were read for 3.6); any other takes Triton's own path.
+_FAST_LAUNCH_TRITON = tuple(triton.__version__.split(".")[:2]) == ("3", "6")
 
 
 class _KernelLaunches:
@@ -151,10 +158,10 @@ class _KernelLaunches:
 
     @staticmethod
     def of(kernel) -> _KernelLaunches | None:
-        """``None`` where every launch takes Triton's path: under the interpreter (the kernel is then
-        not a ``JITFunction``), or when the constexpr parameters do not all come last, or one has a
-        default."""
-        if type(kernel) is not JITFunction:
+        """``None`` where every launch takes Triton's path: another Triton version than the one read
+        (``_FAST_LAUNCH_TRITON``), the interpreter (the kernel is then not a ``JITFunction``), or
+        constexpr parameters that do not all come last, or one with a default."""
+        if not _FAST_LAUNCH_TRITON or type(kernel) is not JITFunction:
             return None
         params = kernel.params
         n_runtime = sum(not param.is_constexpr for param in params)
