@@ -125,9 +125,9 @@ def _meta(args, sweeps, tables, skipped, device, gpu, smoke, ceilings, l2_bytes)
             f"GPU time: median over {runner.MIN_CALLS}-{runner.MAX_CALLS} calls, each enqueued behind a sleep kernel "
             f"longer than the host needs to launch it (CUDA events around the call), after {runner.WARMUP_CALLS} "
             f"warm-up calls; host_ms is one call's host time with the GPU idle; launch_ms is the launch-inclusive "
-            f"time, CUDA events around {runner.MIN_CALLS}-{runner.MAX_CALLS} calls made back to back (no sleep) divided "
-            f"by their number, median of {runner.BACK_TO_BACK_RUNS} runs, and launch_ratio = launch_ms / time_ms; "
-            f"inputs rotated over copies "
+            f"time, CUDA events around {runner.BACK_TO_BACK_MIN_CALLS}-{runner.MAX_CALLS} calls made back to back "
+            f"(no sleep) divided by their number, median of {runner.BACK_TO_BACK_RUNS} runs, and launch_ratio = "
+            f"launch_ms / time_ms; inputs rotated over copies "
             f"exceeding 4x L2 ({l2_bytes} bytes), at most {runner.MAX_INPUT_SETS}; floor = bytes over the copy "
             f"ceiling, or FLOPs over the matmul ceiling"
         )
