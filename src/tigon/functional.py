@@ -803,7 +803,8 @@ def fused_linear_logprobs(
             log-probs, as SFT's NLL): forward then computes the gradients as the fused linear
             cross entropy does, ``6·N·H·V`` FLOPs instead of ``8·N·H·V``. Backward checks the
             promise (one host sync) and recomputes when it does not hold: never wrong, only slower.
-            Ignored under CUDA-graph capture and torch.compile, where the host may not wait.
+            Under CUDA-graph capture and torch.compile, where the host may not wait, it checks on
+            the device instead, and a broken promise makes the gradients NaN.
         backward_context: ``None``, or a callable returning a context manager that a recomputing
             backward runs in, for a weight that must be gathered again to be read (DeepSpeed
             ZeRO-3: ``lambda: deepspeed.zero.GatheredParameters([weight])``).

@@ -259,9 +259,10 @@ def test_unchecked_out_of_range_targets_are_ignored(monkeypatch):
 
 
 @pytest.mark.parametrize("upstream", UPSTREAM)
-def test_grad_in_forward_is_ignored_where_no_host_sync_is_allowed(monkeypatch, upstream):
-    """The promise of grad_in_forward is checked on the host; where it cannot be, backward
-    recomputes, which is right for any upstream gradient."""
+def test_grad_in_forward_checked_on_the_device_where_no_host_sync_is_allowed(monkeypatch, upstream):
+    """The promise of grad_in_forward is checked on the device, not the host, where the host may
+    not wait (CUDA-graph capture, torch.compile): gradients are exact when it holds, and an
+    entropy gradient still makes backward recompute."""
     _no_host_sync(monkeypatch)
 
     def no_check(*args):
@@ -270,6 +271,22 @@ def test_grad_in_forward_is_ignored_where_no_host_sync_is_allowed(monkeypatch, u
     monkeypatch.setattr(fused_linear_logprobs_ops, "uniform_grad", no_check)
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     _check(x, weight, target, b, torch.float32, chunk_memory_bytes, upstream, grad_in_forward=True)
+
+
+@pytest.mark.parametrize("ignored", ["none", "all"])
+def test_broken_grad_in_forward_promise_gives_nan_where_it_cannot_be_checked(monkeypatch, ignored):
+    """Unchecked on the host, a log-probs gradient that differs between tokens makes every
+    gradient NaN, loud rather than silently wrong; without a valid token the gradients are 0."""
+    _no_host_sync(monkeypatch)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    if ignored == "all":
+        target = torch.full_like(target, -100)
+    log_probs = tf.fused_linear_logprobs(
+        x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes, grad_in_forward=True,
+    )[0]
+    log_probs.backward(torch.randn_like(log_probs))
+    for tensor in (x, weight, b):
+        assert tensor.grad.isnan().all() if ignored == "none" else not tensor.grad.any()
 
 
 def test_torch_compile_fullgraph():

@@ -34,9 +34,11 @@ log-probs, as SFT's: the forward then computes the gradients for ``g = 1`` in it
 (``6·N·H·V``, what the fused linear cross entropy costs) and backward multiplies them by ``g``,
 provided that ``g`` is the same on every non-ignored row and ``entropy`` has no gradient. If not,
 backward recomputes as above: the result is exact either way, the guess only costs time. Checking
-``g`` takes one host sync in backward; where the host may not wait (CUDA-graph capture,
-torch.compile) the option is ignored, and so it is with a single chunk, whose kept logits already
-make backward recompute nothing.
+``g`` takes one host sync in backward. Where the host may not wait (CUDA-graph capture,
+torch.compile) the promise is checked on the device instead, and a broken one makes the gradients
+NaN rather than silently wrong: the graph then runs the kernels an eager uniform ``g`` runs, which
+its warm-up has compiled. With a single chunk the option is ignored: the kept logits already make
+backward recompute nothing.
 
 :class:`FusedLinearLogprobLossFunction` serves losses whose per-token gradients are known once
 the log-probs are (the GRPO family, :mod:`tigon.losses.grpo`): the loss is computed inside, chunk
@@ -384,15 +386,32 @@ def fused_linear_logprobs_bwd(
     return _grads_out(input, bias, grad_input, grad_weight, grad_bias)
 
 
+def _valid_grad_bounds(grad_log_prob, target, ignore_index):
+    """``[1]`` lowest and highest ``grad_log_prob`` over the non-ignored rows (``inf``, ``-inf`` when
+    there are none)."""
+    valid = target != ignore_index
+    lowest = torch.where(valid, grad_log_prob, float("inf")).amin().reshape(1)
+    highest = torch.where(valid, grad_log_prob, float("-inf")).amax().reshape(1)
+    return lowest, highest
+
+
 def uniform_grad(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
     """The ``[1]`` fp32 value of ``grad_log_prob`` if it is the same on every non-ignored row, else
     ``None``. The answer decides on the host what runs next: one host sync, so never call it
     where :func:`~tigon.ops.cross_entropy.host_sync_allowed` is false."""
-    valid = target != ignore_index
-    lowest = torch.where(valid, grad_log_prob, float("inf")).amin().reshape(1)
-    highest = torch.where(valid, grad_log_prob, float("-inf")).amax().reshape(1)
+    lowest, highest = _valid_grad_bounds(grad_log_prob, target, ignore_index)
     low, high = torch.cat((lowest, highest)).tolist()
     return lowest if low == high else None
+
+
+def uniform_grad_or_nan(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """:func:`uniform_grad` decided on the device: the ``[1]`` fp32 value of ``grad_log_prob`` if
+    it is the same on every non-ignored row (0 when there are none), else NaN, which turns every
+    gradient it scales into NaN."""
+    lowest, highest = _valid_grad_bounds(grad_log_prob, target, ignore_index)
+    # lowest > highest only without valid rows; a NaN among them compares false and propagates.
+    scale = torch.where(lowest > highest, 0.0, lowest)
+    return torch.where(lowest < highest, float("nan"), scale)
 
 
 class FusedLinearLogprobsFunction(torch.autograd.Function):
@@ -409,9 +428,8 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         chunk_rows = chunk_rows_for(x2d.shape[0], weight.shape[0], x2d.element_size(), chunk_memory_bytes)
         options = (ignore_index, temperature, softcap, logit_scale)
         # One chunk needs no recomputation: its kept logits serve any upstream gradient at the
-        # same cost as gradients in forward, without backward's check and scaling. Where that
-        # check (a host sync) is not allowed, backward recomputes, which serves any gradient.
-        grad_in_forward = grad_in_forward and x2d.shape[0] > chunk_rows and host_sync_allowed(x2d)
+        # same cost as gradients in forward, without backward's check and scaling.
+        grad_in_forward = grad_in_forward and x2d.shape[0] > chunk_rows
         # Without gradients in forward, the logits buffer is kept for a backward that starts with
         # the last chunk's logits; with them it holds a gradient, and a backward that must recompute
         # after all allocates a new one.
@@ -435,8 +453,11 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         ignore_index = ctx.options[0]
         grad_log_prob = torch.zeros_like(lse) if grad_log_prob is None else grad_log_prob.float().contiguous()
         scale = None
-        if ctx.grad_in_forward and grad_entropy is None and host_sync_allowed(grad_log_prob):
-            scale = uniform_grad(grad_log_prob, target, ignore_index)
+        if ctx.grad_in_forward and grad_entropy is None:
+            if host_sync_allowed(grad_log_prob):
+                scale = uniform_grad(grad_log_prob, target, ignore_index)
+            else:
+                scale = uniform_grad_or_nan(grad_log_prob, target, ignore_index)
         if scale is not None:
             for grad, needed in zip((grads[0], grads[1], grads[2].view(1, -1)), ctx.needs):
                 if needed:
