@@ -355,14 +355,14 @@ def test_matches_qwen_vl_mrope(module, embedding, section, interleaved, width):
     the pre-5.x ``apply_multimodal_rotary_pos_emb`` took them) directly."""
     rotary_embedding = _hugging_face(module, embedding)
     apply_rotary_pos_emb = _hugging_face(module, "apply_rotary_pos_emb")
+    q, k = _hf_heads()
+    # The models' sections are for 64 angles per head (head_dim 128): scaled to these heads'.
+    section = tuple(size * q.shape[3] // 128 for size in section)
     stand_in = SimpleNamespace(mrope_section=list(section))  # all recomposition_frequencies reads
 
     def combined(planes):  # clone: Qwen3-VL's recomposition writes into plane 0
         return rotary_embedding.recomposition_frequencies(stand_in, planes.clone())
 
-    q, k = _hf_heads()
-    # The models' sections are for 64 angles per head (head_dim 128): scaled to these heads'.
-    section = tuple(size * q.shape[3] // 128 for size in section)
     angles = _angles(q.shape[0], q.shape[2], q.shape[3] // 2, planes=3)
     cos, sin = _leaves(angles.cos(), angles.sin())
     q64, k64, cos64, sin64 = leaves64 = leaf_copies(q, k, cos, sin)
