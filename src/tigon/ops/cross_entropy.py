@@ -301,7 +301,7 @@ def mean_grad_scale(n_valid: torch.Tensor, numerator: float = 1.0) -> torch.Tens
 
 def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: torch.Tensor | None) -> torch.Tensor:
     """``[N]`` fp32 per-row values → the reduced scalar (or ``[N]`` for ``"none"``); ``"mean"``
-    divides on the device by ``max(n_valid, 1)``, so that no valid row gives 0."""
+    divides on the device by ``max(n_valid, 1)``: 0 when no row is valid."""
     if reduction == "none":
         return per_row
     total = per_row.sum()

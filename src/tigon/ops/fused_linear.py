@@ -35,7 +35,8 @@ DEFAULT_CHUNK_MEMORY_BYTES = 512 * 2**20
 # ... but at least this many rows by default, whatever the vocabulary: 512 MiB holds the 2048 rows
 # measured best at V = 128256 (bf16), only ~1700 at V = 151936 and 1024 at V = 262144, where the
 # matmuls get thinner and the weight gradient's round trips more. Its cost in memory, in bf16:
-# 2048·V·2 bytes, 594 MiB at V = 151936 and 1 GiB at V = 262144 (fp32 logits: twice that).
+# 2048·V·2 bytes, 594 MiB at V = 151936 and 1 GiB at V = 262144 (twice that for fp32 logits, or
+# for the fused JSD's student and teacher chunks).
 DEFAULT_MIN_CHUNK_ROWS = 2048
 # Chunks larger than this many rows are rounded down to a multiple of it, a whole number of
 # matmul tiles.
