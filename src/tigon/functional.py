@@ -746,8 +746,8 @@ def fused_linear_cross_entropy(
     """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
 
     Tokens are processed in chunks whose logits fit in ``chunk_memory_bytes`` (default: see
-    :data:`tigon.ops.fused_linear.DEFAULT_CHUNK_MEMORY_BYTES`, and at least
-    :data:`~tigon.ops.fused_linear.DEFAULT_MIN_CHUNK_ROWS` tokens), so the extra memory
+    :data:`tigon.ops.fused_linear.DEFAULT_CHUNK_MEMORY_BYTES`, more for a vocabulary beyond
+    :data:`~tigon.ops.fused_linear.DEFAULT_CHUNK_VOCAB`), so the extra memory
     does not grow with ``N``. Gradients flow to ``input``, ``bias`` and to ``weight`` when it
     requires grad (a frozen head, as with LoRA, costs no ``[V, H]`` gradient).
 
@@ -798,8 +798,8 @@ def fused_linear_logprobs(
         outputs: which of ``"log_probs"``, ``"entropy"``, ``"log_sum_sq_probs"`` (``log Σ p²``),
             ``"mean_logits"`` (mean of ``z``) and ``"is_top1"`` (``target`` is ``argmax z``) to
             return; the others are ``None``. Each extra field costs a little on every call.
-        chunk_memory_bytes: logits memory per chunk of tokens (default 512 MiB, and at least
-            2048 tokens).
+        chunk_memory_bytes: logits memory per chunk of tokens (default 512 MiB, times
+            ``V / 128256`` for a larger vocabulary).
         grad_in_forward: promise that the loss's gradient with respect to ``log_probs`` is the
             same on every non-ignored token and that ``entropy`` gets none (a sum or mean of
             log-probs, as SFT's NLL): forward then computes the gradients as the fused linear

@@ -6,7 +6,7 @@ import tigon.functional as tf
 import tigon.nn
 import tigon.ops.cross_entropy as cross_entropy_ops
 import tigon.ops.fused_linear_cross_entropy as fused_linear_cross_entropy_ops
-from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, DEFAULT_MIN_CHUNK_ROWS, chunk_rows_for
+from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, chunk_rows_for
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
 
 # (token shape, H, V, rows per chunk): the chunk size never divides the token count, so the last
@@ -209,20 +209,21 @@ def test_chunk_rows():
 
 
 @pytest.mark.parametrize(
-    "n_classes, element_size, rows",
+    "n_classes, element_size, rows, mib",
     [
-        (32000, 2, 8192),  # 512 MiB hold all the tokens
-        (128256, 2, 2048),  # 2093 rows, rounded down to whole tiles: the measured default
-        (151936, 2, 2048),  # Qwen: 1766 rows of 512 MiB, raised to the floor (594 MiB)
-        (262144, 2, 2048),  # Gemma 3: 1024 rows of 512 MiB, raised to the floor (1 GiB)
-        (262144, 4, 2048),  # fp32 logits: 512 rows of 512 MiB, raised to the floor (2 GiB)
+        (32000, 2, 8192, 500),  # 512 MiB hold every token
+        (128256, 2, 2048, 501),  # 2093 rows, rounded down to whole tiles: the measured default
+        (151936, 2, 2048, 593.5),  # Qwen: 1766 rows in 512 MiB; the budget grows to 607 MiB
+        (262144, 2, 2048, 1024),  # Gemma 3: 1024 rows in 512 MiB; the budget grows to 1 GiB
+        (262144, 4, 1024, 1024),  # fp32 logits: as many rows as at V = 128256
     ],
 )
-def test_default_chunk_rows_keep_a_floor_at_large_vocabularies(n_classes, element_size, rows):
-    """By default a chunk holds 512 MiB of logits but at least 2048 rows, so that the matmuls keep
-    their shape at large vocabularies; an explicit budget is a limit, and no chunk exceeds N."""
-    assert DEFAULT_MIN_CHUNK_ROWS == 2048
+def test_default_chunk_keeps_its_rows_at_large_vocabularies(n_classes, element_size, rows, mib):
+    """The default budget, 512 MiB, grows as V / 128256 beyond Llama 3's vocabulary, so that the
+    matmuls keep the shape measured best there; an explicit budget is a limit, and no chunk
+    exceeds the tokens."""
     assert chunk_rows_for(8192, n_classes, element_size, None) == rows
+    assert rows * n_classes * element_size / 2**20 == mib
     assert chunk_rows_for(1000, n_classes, element_size, None) == 1000
     explicit = chunk_rows_for(8192, n_classes, element_size, 512 * 2**20)
     assert explicit * n_classes * element_size <= 512 * 2**20

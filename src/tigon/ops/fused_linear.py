@@ -29,15 +29,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-# Logits memory per chunk. Smaller chunks hold less but make the [V, H] weight gradient be read and
-# written once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
+# Logits memory per chunk by default, for vocabularies up to DEFAULT_CHUNK_VOCAB and in proportion
+# to V beyond it. Smaller chunks hold less but make the [V, H] weight gradient be read and written
+# once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
 DEFAULT_CHUNK_MEMORY_BYTES = 512 * 2**20
-# ... but at least this many rows by default, whatever the vocabulary: 512 MiB holds the 2048 rows
-# measured best at V = 128256 (bf16), only ~1700 at V = 151936 and 1024 at V = 262144, where the
-# matmuls get thinner and the weight gradient's round trips more. Its cost in memory, in bf16:
-# 2048·V·2 bytes, 594 MiB at V = 151936 and 1 GiB at V = 262144 (twice that for fp32 logits, or
-# for the fused JSD's student and teacher chunks).
-DEFAULT_MIN_CHUNK_ROWS = 2048
+# 512 MiB hold the 2048 rows of bf16 logits measured best at Llama 3's V = 128256, but only ~1700
+# at V = 151936 and 1024 at V = 262144, where the matmuls get thinner and the weight gradient's
+# round trips more. Scaled by V / 128256 the default keeps 2048 rows there, at 594 MiB and 1 GiB of
+# bf16 logits (fp32 logits keep 1024 rows, as at 128256).
+DEFAULT_CHUNK_VOCAB = 128256
 # Chunks larger than this many rows are rounded down to a multiple of it, a whole number of
 # matmul tiles.
 CHUNK_ROW_MULTIPLE = 64
@@ -50,14 +50,15 @@ ChunkHead = Callable[[RowRanges, torch.Tensor], torch.Tensor | None]
 
 def chunk_rows_for(n_rows: int, n_classes: int, element_size: int, chunk_memory_bytes: int | None) -> int:
     """Rows per chunk: as many ``[V]`` logits rows (``element_size`` bytes each) as fit in
-    ``chunk_memory_bytes``, at least 1; for ``None``, in :data:`DEFAULT_CHUNK_MEMORY_BYTES` but at
-    least :data:`DEFAULT_MIN_CHUNK_ROWS`. Never more than ``n_rows``."""
-    budget = DEFAULT_CHUNK_MEMORY_BYTES if chunk_memory_bytes is None else int(chunk_memory_bytes)
+    ``chunk_memory_bytes``, at least 1 and at most ``n_rows``. ``None`` is
+    :data:`DEFAULT_CHUNK_MEMORY_BYTES`, times ``V / DEFAULT_CHUNK_VOCAB`` for a larger ``V``."""
+    if chunk_memory_bytes is None:
+        budget = DEFAULT_CHUNK_MEMORY_BYTES * max(n_classes, DEFAULT_CHUNK_VOCAB) // DEFAULT_CHUNK_VOCAB
+    else:
+        budget = int(chunk_memory_bytes)
     rows = max(1, budget // (n_classes * element_size))
     if rows > CHUNK_ROW_MULTIPLE:
         rows -= rows % CHUNK_ROW_MULTIPLE
-    if chunk_memory_bytes is None:
-        rows = max(rows, DEFAULT_MIN_CHUNK_ROWS)
     return max(1, min(rows, n_rows))
 
 
