@@ -163,7 +163,10 @@ def test_a_budget_between_the_extremes_keeps_some_layers_and_holds_in_training(p
     fresh = _gpu_model(patched)
     set_checkpointing(fresh, plan.kept)
     fresh_losses, _ = _train(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4, fused=True), steps=3)
-    assert losses == fresh_losses
+    # The first step sees the same weights: the same loss, bit for bit. Later steps differ by what two
+    # identical bf16 runs differ by on a GPU (the embedding's backward accumulates with atomics).
+    assert losses[0] == fresh_losses[0]
+    assert losses == pytest.approx(fresh_losses, rel=1e-3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
