@@ -355,12 +355,12 @@ _GPU_TILES = {
     "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
 }
 _INTERPRETER_TILES = {
-    "block_m": 16,
-    "gate_up": dict(BLOCK_N=16, BLOCK_K=16),
-    "down": dict(BLOCK_N=16, BLOCK_K=16),
-    "dx": dict(BLOCK_N=16, BLOCK_K=16),
-    "down_bwd": dict(BLOCK_N=16, BLOCK_K=16),
-    "weight_grad": dict(BLOCK_O=16, BLOCK_I=16, BLOCK_K=16),
+    "block_m": 32,
+    "gate_up": dict(BLOCK_N=32, BLOCK_K=32),
+    "down": dict(BLOCK_N=32, BLOCK_K=32),
+    "dx": dict(BLOCK_N=32, BLOCK_K=32),
+    "down_bwd": dict(BLOCK_N=32, BLOCK_K=32),
+    "weight_grad": dict(BLOCK_O=32, BLOCK_I=32, BLOCK_K=32),
 }
 
 
