@@ -109,7 +109,7 @@ def tiny_llama(vocab=160, hidden=32, layers=2, seed=0):
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
-        # Eager attention is deterministic: the graph and the eager run compute the same bits.
+        # Eager attention is deterministic, where a fused attention backward may add with atomics.
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
@@ -318,7 +318,6 @@ def test_llama_training_step_replays_as_eager_steps(hugging_face_modules_restore
     replayed on new batches, give the losses, gradients and weights of the same steps run
     eagerly from the same weights (after the same warm-up steps)."""
     vocab, batch_size, seq_len, warmup, replays = 1000, 4, 128, 3, 4
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     base = tiny_llama(vocab=vocab, hidden=256)
 
     def patched_copy():
@@ -353,8 +352,11 @@ def test_llama_training_step_replays_as_eager_steps(hugging_face_modules_restore
         graph.replay()
         graph_losses.append(static_loss.clone())
 
-    tolerance = REPLAY_TOLERANCE[torch.float32] if dtype == torch.float32 else dict(rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(torch.stack(graph_losses), torch.stack(eager_losses[warmup:]), **tolerance)
+    # The embedding's backward adds with atomics: two runs differ in the last bits, which later
+    # steps carry on. Each step moves a weight by about lr = 1e-3, which a replay that skipped the
+    # optimizer, or read a stale batch, would be off by; a mean's divisor frozen at capture would
+    # change the loss by more than 1e-3 of itself.
+    torch.testing.assert_close(torch.stack(graph_losses), torch.stack(eager_losses[warmup:]), rtol=1e-5, atol=0)
     for (name, graph_param), eager_param in zip(graph_model.named_parameters(), eager_model.parameters()):
-        torch.testing.assert_close(graph_param.grad, eager_param.grad, **tolerance, msg=f"grad of {name}")
-        torch.testing.assert_close(graph_param, eager_param, **tolerance, msg=name)
+        torch.testing.assert_close(graph_param.grad, eager_param.grad, rtol=1e-4, atol=1e-7, msg=f"grad of {name}")
+        torch.testing.assert_close(graph_param, eager_param, rtol=1e-4, atol=1e-5, msg=name)
