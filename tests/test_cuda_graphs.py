@@ -109,8 +109,10 @@ def tiny_llama(vocab=160, hidden=32, layers=2, seed=0):
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
-        # Eager attention is deterministic, where a fused attention backward may add with atomics.
-        attn_implementation="eager",
+        # SDPA without a padding mask builds no mask (it passes is_causal); eager attention's mask
+        # copies a host scalar to the GPU at every call, which capture refuses. The GPU tests run SDPA's
+        # math backend (math_sdpa), deterministic: the graph and the eager run compute the same bits.
+        attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config)
@@ -311,9 +313,15 @@ def test_op_forward_and_backward_replay_as_eager(name, dtype):
 # --- A patched Llama's whole training step ---
 
 
+@pytest.fixture
+def math_sdpa():
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        yield
+
+
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-def test_llama_training_step_replays_as_eager_steps(hugging_face_modules_restored, precision):
+def test_llama_training_step_replays_as_eager_steps(hugging_face_modules_restored, math_sdpa, precision):
     """Forward, backward and AdamW's step of a patched 2-layer Llama, captured in one graph and
     replayed on new batches, give the losses, gradients and weights of the same steps run
     eagerly from the same weights (after the same warm-up steps)."""
