@@ -344,8 +344,10 @@ def moe_schedule_kernel(
     tl.store(TILE_ROW + tile, row + (tile - first) * BLOCK_M, mask=tile < n_tiles)
 
 # Tiles (BLOCK_M is shared by every row kernel: the tile schedule is built for it once per call).
-# Chosen on the H100 at Qwen3-30B-A3B's shapes (benchmarks/tune_moe.py); the interpreter takes
-# the smallest tiles tl.dot accepts, so that CPU tests cross several tiles and experts.
+# Chosen on the H100 at Qwen3-30B-A3B's shapes (benchmarks/tune_moe.py). The interpreter runs one
+# program at a time in Python, at a cost set by the programs and loop steps more than by the tile's
+# size: its tiles are 64 wide, a tiny model's experts take one, and tests/ops/test_moe.py's CPU
+# shape crosses several tiles along every dimension.
 _GPU_TILES = {
     "block_m": 128,
     "gate_up": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
@@ -355,12 +357,12 @@ _GPU_TILES = {
     "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
 }
 _INTERPRETER_TILES = {
-    "block_m": 32,
-    "gate_up": dict(BLOCK_N=32, BLOCK_K=32),
-    "down": dict(BLOCK_N=32, BLOCK_K=32),
-    "dx": dict(BLOCK_N=32, BLOCK_K=32),
-    "down_bwd": dict(BLOCK_N=32, BLOCK_K=32),
-    "weight_grad": dict(BLOCK_O=32, BLOCK_I=32, BLOCK_K=32),
+    "block_m": 64,
+    "gate_up": dict(BLOCK_N=64, BLOCK_K=64),
+    "down": dict(BLOCK_N=64, BLOCK_K=64),
+    "dx": dict(BLOCK_N=64, BLOCK_K=64),
+    "down_bwd": dict(BLOCK_N=64, BLOCK_K=64),
+    "weight_grad": dict(BLOCK_O=64, BLOCK_I=64, BLOCK_K=64),
 }
 
 
