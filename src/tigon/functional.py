@@ -688,7 +688,10 @@ def cross_entropy(
 
     Args:
         logits: ``[..., V]`` fp32/bf16/fp16, ``V`` up to 262144; ``N·V`` may exceed 2³¹.
-        target: ``[...]`` int64/int32 in ``[0, V)`` or ``ignore_index``.
+        target: ``[...]`` int64/int32 in ``[0, V)`` or ``ignore_index``. Another value raises
+            ``ValueError``, checked once the kernels are queued; under CUDA-graph capture and
+            torch.compile, where the host may not wait for the GPU, it is not checked and the
+            token is ignored (as ``ignore_index``).
         return_z_loss: also return the z-loss term (reduced like the loss, already included in
             it, for logging: it carries no gradient of its own).
         inplace_backward: write the gradient into ``logits``' storage during the forward pass,
@@ -743,13 +746,14 @@ def fused_linear_cross_entropy(
     """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
 
     Tokens are processed in chunks whose logits fit in ``chunk_memory_bytes`` (default: see
-    :data:`tigon.ops.fused_linear.DEFAULT_CHUNK_MEMORY_BYTES`), so the extra memory
+    :data:`tigon.ops.fused_linear.DEFAULT_CHUNK_MEMORY_BYTES`, more for a vocabulary beyond
+    :data:`~tigon.ops.fused_linear.DEFAULT_CHUNK_VOCAB`), so the extra memory
     does not grow with ``N``. Gradients flow to ``input``, ``bias`` and to ``weight`` when it
     requires grad (a frozen head, as with LoRA, costs no ``[V, H]`` gradient).
 
     Args:
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
-        target: ``[...]`` as ``input``'s leading dimensions.
+        target: ``[...]`` as ``input``'s leading dimensions, checked as :func:`cross_entropy`'s.
         Other options as :func:`cross_entropy`.
     Returns: as :func:`cross_entropy`.
     """
@@ -787,18 +791,22 @@ def fused_linear_logprobs(
 
     Args:
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
-        target: ``[...]`` as ``input``'s leading dimensions, int64/int32.
+        target: ``[...]`` as ``input``'s leading dimensions, int64/int32, checked as
+            :func:`cross_entropy`'s.
         temperature: > 0. softcap: ``None`` or > 0 (Gemma's final logit softcap). logit_scale:
             multiplies the logits first (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``).
         outputs: which of ``"log_probs"``, ``"entropy"``, ``"log_sum_sq_probs"`` (``log Σ p²``),
             ``"mean_logits"`` (mean of ``z``) and ``"is_top1"`` (``target`` is ``argmax z``) to
             return; the others are ``None``. Each extra field costs a little on every call.
-        chunk_memory_bytes: logits memory per chunk of tokens (default 512 MiB).
+        chunk_memory_bytes: logits memory per chunk of tokens (default 512 MiB, times
+            ``V / 128256`` for a larger vocabulary).
         grad_in_forward: promise that the loss's gradient with respect to ``log_probs`` is the
             same on every non-ignored token and that ``entropy`` gets none (a sum or mean of
             log-probs, as SFT's NLL): forward then computes the gradients as the fused linear
             cross entropy does, ``6·N·H·V`` FLOPs instead of ``8·N·H·V``. Backward checks the
             promise (one host sync) and recomputes when it does not hold: never wrong, only slower.
+            Under CUDA-graph capture and torch.compile, where the host may not wait, it checks on
+            the device instead, and a broken promise makes the gradients NaN.
         backward_context: ``None``, or a callable returning a context manager that a recomputing
             backward runs in, for a weight that must be gathered again to be read (DeepSpeed
             ZeRO-3: ``lambda: deepspeed.zero.GatheredParameters([weight])``).

@@ -22,7 +22,10 @@ is a sum or mean of the log-probs (SFT's NLL) can have its gradients computed in
 (``6·N·H·V`` FLOPs), any other (GRPO's, DPO's) needs a recomputing backward (``8·N·H·V``). The
 head learns which one it serves: it computes gradients in the forward pass until a backward shows
 a gradient that differs between tokens, or one reaching the entropy, and from then on recomputes.
-Either way the gradients are exact; a wrong guess costs one step's extra matmuls.
+Either way the gradients are exact; a wrong guess costs one step's extra matmuls. Learning reads
+the gradient on the host, so it is skipped where the host may not wait (CUDA-graph capture,
+torch.compile): there the guess stays as it was and the kernel checks it on the device, turning
+the gradients of a broken guess into NaN (see :mod:`tigon.ops.fused_linear_logprobs`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import torch
 
 import tigon.functional as tf
+from tigon.ops.cross_entropy import host_sync_allowed
 from tigon.ops.fused_linear_logprobs import uniform_grad
 
 try:
@@ -80,6 +84,11 @@ class TigonLogProbHead:
 
     @classmethod
     def _observe_log_probs_grad(cls, grad, targets):
+        # Reading the answer on the host is a sync: where none is allowed (CUDA-graph capture,
+        # torch.compile) the head keeps its guess, and the op's backward checks it on the device
+        # (a broken promise gives NaN gradients, never silently wrong ones).
+        if not host_sync_allowed(grad):
+            return
         if uniform_grad(grad.reshape(-1).float(), targets.reshape(-1), -100) is None:
             cls.grad_in_forward = False
 

@@ -4,6 +4,7 @@ import torch
 from tigon.testing import reference
 import tigon.losses.distillation as distill
 from tigon.ops import divergence
+from tigon.ops import fused_linear_jsd as fused_linear_jsd_ops
 from utils import DEVICE, ON_GPU, assert_close, leaf_copies, pick, randn
 
 # (token shape, student H, teacher H, V, rows per chunk): the chunk never divides the tokens, so
@@ -134,6 +135,36 @@ def test_gradients_only_where_needed(why):
             x, weight, teacher_x, teacher_weight, torch.float32, labels=labels, chunk_memory_bytes=chunk_memory_bytes,
         )
         assert weight.grad is None
+
+
+@pytest.mark.parametrize("labelled", [True, False], ids=["labels", "no_labels"])
+def test_no_host_read_and_the_mean_split_below_n(monkeypatch, labelled):
+    """Nothing waits for the GPU, so the loss can be captured in a CUDA graph: its forward and
+    backward read no tensor value on the host (``n_valid`` stays on the device). The mean's split
+    is capped below N here, as for a batch of more than MEAN_SCALE_ROWS tokens: the matmuls apply
+    1/8 and the kernel 8 / n_valid."""
+    from test_cuda_graphs import TigonHostReads
+
+    monkeypatch.setattr(fused_linear_jsd_ops, "MEAN_SCALE_ROWS", 8)
+    x, weight, teacher_x, teacher_weight, labels, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    labels = labels if labelled else None
+    x64, w64 = leaf_copies(x, weight)
+    reads = TigonHostReads()
+    reads.watch_tolist(monkeypatch)
+    with reads:
+        loss = distill.fused_linear_jsd(
+            x, weight, teacher_x, teacher_weight, labels, beta=0.4, temperature=1.5,
+            chunk_memory_bytes=chunk_memory_bytes,
+        )
+        loss.backward()
+    assert not reads.places, f"host reads of tensor values by tigon at {reads.places}"
+    truth = reference.fused_linear_jsd(
+        x64, w64, teacher_x.double(), teacher_weight.double(), labels, beta=0.4, temperature=1.5,
+    )
+    truth.backward()
+    assert_close(loss, truth, torch.float32, "loss")
+    assert_close(x.grad, x64.grad, torch.float32, "grad of input")
+    assert_close(weight.grad, w64.grad, torch.float32, "grad of weight")
 
 
 def test_torch_compile_fullgraph():

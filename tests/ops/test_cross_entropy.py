@@ -4,6 +4,7 @@ import torch
 from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn
+import tigon.ops.cross_entropy as cross_entropy_ops
 from utils import DEVICE, DTYPES, ON_GPU, assert_close, leaf_copies, pick, randn
 
 # Logits shapes [..., V]: one row; a vocabulary of a few hundred; 3-D with rows not a power of two;
@@ -222,6 +223,31 @@ def test_target_out_of_range_raises(bad):
     target[5] = value
     with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for V = {vocab} "):
         tf.cross_entropy(logits, target)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_unchecked_out_of_range_targets_are_ignored(monkeypatch, reduction, inplace):
+    """Where the host may not wait for the GPU (CUDA-graph capture, torch.compile) the range is not
+    checked: a target outside [0, V) then counts as ignore_index, in the loss, the mean's divisor
+    and the gradient, and nothing is read out of bounds."""
+    monkeypatch.setattr(cross_entropy_ops, "host_sync_allowed", lambda tensor: False)
+    shape = SHAPES[1]
+    vocab = shape[-1]
+    logits = randn(*shape)
+    target = _targets(shape[:-1], vocab)
+    positions = [3, 8, 9]
+    out_of_range, ignored = target.clone(), target.clone()
+    out_of_range[positions] = torch.tensor([vocab, -5, vocab + 1000], device=DEVICE)
+    ignored[positions] = -100
+    grad_output = torch.randn(shape[:-1], device=DEVICE) if reduction == "none" else None
+    results = []
+    for target in (out_of_range, ignored):
+        leaf = logits.clone().requires_grad_()
+        loss = tf.cross_entropy(leaf, target, reduction=reduction, label_smoothing=0.1, inplace_backward=inplace)
+        loss.backward(grad_output)
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 
 def test_nan_propagates_to_its_row():

@@ -4,6 +4,8 @@ import torch
 from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn
+import tigon.ops.cross_entropy as cross_entropy_ops
+import tigon.ops.fused_linear_cross_entropy as fused_linear_cross_entropy_ops
 from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, chunk_rows_for
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
 
@@ -149,6 +151,40 @@ def test_target_out_of_range_raises(bad):
         tf.fused_linear_cross_entropy(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_unchecked_out_of_range_targets_are_ignored(monkeypatch, reduction):
+    """Where the host may not wait for the GPU (CUDA-graph capture, torch.compile) the range is not
+    checked: a target outside [0, V) then counts as ignore_index, bit for bit."""
+    monkeypatch.setattr(cross_entropy_ops, "host_sync_allowed", lambda tensor: False)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    vocab = weight.shape[0]
+    positions = [3, 12, 30]
+    out_of_range, ignored = target.clone(), target.clone()
+    out_of_range[positions] = torch.tensor([vocab, -2, 10 * vocab], device=DEVICE)
+    ignored[positions] = -100
+    grad_output = torch.randn(target.shape, device=DEVICE) if reduction == "none" else None
+    results = []
+    for target in (out_of_range, ignored):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, b)]
+        loss = tf.fused_linear_cross_entropy(
+            *leaves[:2], target, leaves[2], reduction=reduction, chunk_memory_bytes=chunk_memory_bytes,
+        )
+        loss.backward(grad_output)
+        results.append((loss.detach(), *(leaf.grad for leaf in leaves)))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mean_split_between_matmuls_and_kernel(monkeypatch, dtype):
+    """The mean's 1 / n_valid is split as alpha = 1 / m (matmuls) and m / n_valid (kernel), with
+    m = min(N, MEAN_SCALE_ROWS): with fewer tokens than that m = N, so a cap of N / 2 makes the
+    split the general one, m < N, as with 2¹⁵ tokens (a smaller cap would scale fp16's dlogits
+    further into its subnormals than any real batch does)."""
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], dtype)
+    monkeypatch.setattr(fused_linear_cross_entropy_ops, "MEAN_SCALE_ROWS", target.numel() // 2)
+    _check(x, weight, target, b, dtype, chunk_memory_bytes, reduction="mean", label_smoothing=0.1)
+
+
 def test_default_chunk_size():
     x, weight, target, b, _ = _problem(CASES[1], torch.float32)
     _check(x, weight, target, b, torch.float32, None, reduction="mean")
@@ -170,6 +206,27 @@ def test_chunk_rows():
     assert chunk_rows_for(8192, 1000, 4, 50 * 4000) == 50
     assert chunk_rows_for(100, 1000, 4, 10**9) == 100
     assert chunk_rows_for(8192, 1000, 4, 1000 * 4000) % CHUNK_ROW_MULTIPLE == 0
+
+
+@pytest.mark.parametrize(
+    "n_classes, element_size, rows, mib",
+    [
+        (32000, 2, 8192, 500),  # 512 MiB hold every token
+        (128256, 2, 2048, 501),  # 2093 rows, rounded down to whole tiles: the measured default
+        (151936, 2, 2048, 593.5),  # Qwen: 1766 rows in 512 MiB; the budget grows to 607 MiB
+        (262144, 2, 2048, 1024),  # Gemma 3: 1024 rows in 512 MiB; the budget grows to 1 GiB
+        (262144, 4, 1024, 1024),  # fp32 logits: as many rows as at V = 128256
+    ],
+)
+def test_default_chunk_keeps_its_rows_at_large_vocabularies(n_classes, element_size, rows, mib):
+    """The default budget, 512 MiB, grows as V / 128256 beyond Llama 3's vocabulary, so that the
+    matmuls keep the shape measured best there; an explicit budget is a limit, and no chunk
+    exceeds the tokens."""
+    assert chunk_rows_for(8192, n_classes, element_size, None) == rows
+    assert rows * n_classes * element_size / 2**20 == mib
+    assert chunk_rows_for(1000, n_classes, element_size, None) == 1000
+    explicit = chunk_rows_for(8192, n_classes, element_size, 512 * 2**20)
+    assert explicit * n_classes * element_size <= 512 * 2**20
 
 
 def test_module():

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 import tigon.functional as tf
+import tigon.ops.cross_entropy as cross_entropy_ops
+import tigon.ops.fused_linear_logprobs as fused_linear_logprobs_ops
 from tigon.ops.fused_linear_logprobs import FIELDS
 from tigon.testing import reference
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
@@ -227,6 +229,64 @@ def test_bad_tensors_raise():
     vocab = weight.shape[0]
     with pytest.raises(ValueError, match=rf"target contains {vocab}, outside \[0, V\) for V = {vocab}"):
         tf.fused_linear_logprobs(x, weight, torch.full_like(target, vocab), b)
+
+
+def _no_host_sync(monkeypatch):
+    """As under CUDA-graph capture or torch.compile: the host may not wait for the GPU."""
+    for module in (cross_entropy_ops, fused_linear_logprobs_ops):
+        monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
+
+
+def test_unchecked_out_of_range_targets_are_ignored(monkeypatch):
+    """Without the range check, a target outside [0, V) counts as ignore_index, bit for bit."""
+    _no_host_sync(monkeypatch)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    vocab = weight.shape[0]
+    positions = [3, 12, 30]
+    out_of_range, ignored = target.clone(), target.clone()
+    out_of_range[positions] = torch.tensor([vocab, -2, 10 * vocab], device=DEVICE)
+    ignored[positions] = -100
+    grad_log_probs, grad_entropy = _upstream("per_token", target.numel())
+    results = []
+    for target in (out_of_range, ignored):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, weight, b)]
+        fields = tf.fused_linear_logprobs(
+            *leaves[:2], target, leaves[2], outputs=FIELDS, chunk_memory_bytes=chunk_memory_bytes,
+        )
+        torch.autograd.backward(fields[:2], (grad_log_probs, grad_entropy))
+        results.append((*(field.detach() for field in fields), *(leaf.grad for leaf in leaves)))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("upstream", UPSTREAM)
+def test_grad_in_forward_checked_on_the_device_where_no_host_sync_is_allowed(monkeypatch, upstream):
+    """The promise of grad_in_forward is checked on the device, not the host, where the host may
+    not wait (CUDA-graph capture, torch.compile): gradients are exact when it holds, and an
+    entropy gradient still makes backward recompute."""
+    _no_host_sync(monkeypatch)
+
+    def no_check(*args):
+        raise AssertionError("uniform_grad waits for the GPU")
+
+    monkeypatch.setattr(fused_linear_logprobs_ops, "uniform_grad", no_check)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    _check(x, weight, target, b, torch.float32, chunk_memory_bytes, upstream, grad_in_forward=True)
+
+
+@pytest.mark.parametrize("ignored", ["none", "all"])
+def test_broken_grad_in_forward_promise_gives_nan_where_it_cannot_be_checked(monkeypatch, ignored):
+    """Unchecked on the host, a log-probs gradient that differs between tokens makes every
+    gradient NaN, loud rather than silently wrong; without a valid token the gradients are 0."""
+    _no_host_sync(monkeypatch)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    if ignored == "all":
+        target = torch.full_like(target, -100)
+    log_probs = tf.fused_linear_logprobs(
+        x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes, grad_in_forward=True,
+    )[0]
+    log_probs.backward(torch.randn_like(log_probs))
+    for tensor in (x, weight, b):
+        assert tensor.grad.isnan().all() if ignored == "none" else not tensor.grad.any()
 
 
 def test_torch_compile_fullgraph():

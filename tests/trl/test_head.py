@@ -10,7 +10,10 @@ import trl.trainer.utils as trl_utils
 from peft import LoraConfig, get_peft_model
 from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import tigon.ops.cross_entropy as cross_entropy_ops
 import tigon.ops.fused_linear as fused_linear
+import tigon.ops.fused_linear_logprobs as fused_linear_logprobs_ops
+import tigon.trl as tigon_trl
 from tigon.trl import TigonLogProbHead, is_patched, patch_trl, unpatch_trl
 from utils import DEVICE
 
@@ -117,3 +120,43 @@ def test_the_head_learns_to_recompute_and_gathers_the_weight_then(monkeypatch):
         # backward recomputes, and from then on the head recomputes even for a mean.
         assert recomputed == (step >= 2), step
         assert TigonLogProbHead.grad_in_forward == (step < 2), step
+
+
+@pytest.mark.parametrize("loss_kind", ["mean", "per_token"])
+def test_the_head_reads_nothing_on_the_host_where_syncs_are_forbidden(monkeypatch, loss_kind):
+    """Under CUDA-graph capture (or torch.compile) the head does not read the log-probs' gradient
+    on the host to learn: it keeps its guess, and the op checks it on the device. A mean's
+    gradients are exact; a per-token gradient, which breaks the promise, turns them into NaN."""
+    from test_cuda_graphs import TigonHostReads
+
+    for module in (cross_entropy_ops, fused_linear_logprobs_ops, tigon_trl):
+        monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
+    vocab, n_rows, hidden_size = SMALL["vocab_size"], 26, SMALL["hidden_size"]
+    # Chunks of 8 rows: with a single chunk the head computes no gradient in forward.
+    monkeypatch.setattr(fused_linear, "DEFAULT_CHUNK_MEMORY_BYTES", 8 * vocab * 4)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n_rows, hidden_size, generator=generator).to(DEVICE).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * hidden_size**-0.5).to(DEVICE).requires_grad_()
+    targets = torch.randint(0, vocab, (n_rows,), generator=generator).to(DEVICE)
+    targets[:4] = -100
+    valid = targets != -100
+    if loss_kind == "mean":
+        token_weights = torch.full((n_rows,), -1.0 / n_rows, device=DEVICE)
+    else:
+        token_weights = torch.linspace(-1.0, 2.0, n_rows, device=DEVICE)
+    patch_trl()
+    reads = TigonHostReads()
+    reads.watch_tolist(monkeypatch)
+    with reads:
+        log_probs = TigonLogProbHead.apply(hidden, weight, None, targets, 1.0, 64)[0]
+        (log_probs * token_weights).sum().backward()
+    assert not reads.places, f"host reads of tensor values by tigon at {reads.places}"
+    assert TigonLogProbHead.grad_in_forward  # nothing learned without a host read
+    if loss_kind == "per_token":
+        assert hidden.grad.isnan().all() and weight.grad.isnan().all()
+        return
+    hidden64, weight64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    truth = torch.log_softmax(hidden64 @ weight64.t(), dim=-1).gather(1, targets.clamp(min=0).unsqueeze(1))
+    (truth.squeeze(1) * valid * token_weights.double()).sum().backward()
+    torch.testing.assert_close(hidden.grad, hidden64.grad.float(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(weight.grad, weight64.grad.float(), rtol=1e-4, atol=1e-6)

@@ -12,6 +12,14 @@ with ``ε = label_smoothing`` (PyTorch's smoothing: ε spread uniformly over the
 other rows, ``n_valid``, and returns 0 (with a zero gradient) when there are none, where PyTorch
 returns NaN: a batch made only of prompt tokens then trains nothing instead of poisoning the step.
 
+Nothing waits for the GPU, so the loss can be captured in a CUDA graph: ``n_valid`` is counted on
+the device and divides there. A target outside ``[0, V)`` is treated by the kernels as
+``ignore_index`` (zero loss and gradient, not counted in ``n_valid``), so nothing is read out of
+bounds; in eager mode the host then raises ``ValueError`` for it, from the targets' range copied
+to the host without waiting and checked once the loss's kernels are queued (the GPU keeps working
+while the host waits). Under CUDA-graph capture and torch.compile that check is skipped and such
+targets stay ignored.
+
 The gradient with respect to ``z``, with ``p = softmax(z)``::
 
     dloss/dz_j = p_j − (1 − ε)·[j = t] − ε/V + 2·s·lse·p_j
@@ -92,7 +100,8 @@ def cross_entropy_fwd_kernel(
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
         target = tl.load(TARGET + row * stride_target)
 
-        if target == ignore_index:
+        # A target outside [0, V) is ignored: the host raises for it, after this kernel is queued.
+        if (target == ignore_index) | (target < 0) | (target >= n_cols):
             tl.store(LOSS + row, 0.0)
             if STORE_Z_LOSS:
                 tl.store(Z_LOSS + row, 0.0)
@@ -205,7 +214,8 @@ def launch_cross_entropy_fwd(
 
     Args:
         logits: ``[N, V]`` with unit column stride, any row stride.
-        target: ``[N]`` int64/int32, any stride, already checked to lie in ``[0, V)`` or equal ``ignore_index``.
+        target: ``[N]`` int64/int32, any stride; rows whose target is ``ignore_index`` or outside
+            ``[0, V)`` get zero loss and gradient.
         grad: ``[N, V]`` in the logits' dtype with unit column stride (it may be ``logits``
             itself), or ``None`` for the loss only.
         grad_scale: fp32 factor of the gradient, ``[1]`` for every row or ``[N]`` per row, or
@@ -227,40 +237,75 @@ def launch_cross_entropy_fwd(
     )
 
 
-def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> int:
-    """``n_valid``, the number of targets other than ``ignore_index`` but at least 1 (the divisor
-    of ``"mean"``: 0 / 1 = 0 when every token is ignored).
+def host_sync_allowed(tensor: torch.Tensor) -> bool:
+    """False where the host must not wait for the GPU: under torch.compile and while a CUDA graph
+    is being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
-    Raises ``ValueError`` for a target outside ``[0, n_classes)``: a kernel would otherwise read
-    outside the row. Finding one needs the values on the host, so this is the one host sync of a
-    call (the count comes back with the same transfer); it lives in the op (not in
-    :mod:`tigon.functional`) so that it also runs under ``torch.compile``.
-    """
-    if target.numel() == 0:
-        return 1
-    valid = target != ignore_index
-    lowest, highest = torch.where(valid, target, 0).aminmax()
-    lowest, highest, n_valid = torch.stack((lowest, highest, valid.sum())).tolist()
+
+def target_bounds(target: torch.Tensor, ignore_index: int):
+    """The lowest and highest target other than ``ignore_index``, copied to the host without
+    waiting, and the CUDA event after which they are there; ``None`` where no host sync is allowed
+    (:func:`host_sync_allowed`) or there are no targets. Queue the loss's kernels before
+    :func:`check_target_bounds` waits for the event: the GPU then runs them while the host waits
+    (they treat an out-of-range target as ignored, so they read only valid memory)."""
+    if target.numel() == 0 or not host_sync_allowed(target):
+        return None
+    bounds = torch.stack(torch.aminmax(torch.where(target != ignore_index, target, 0)))
+    bounds = bounds.to("cpu", non_blocking=True)
+    event = None
+    if target.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return bounds, event
+
+
+def check_target_bounds(bounds, n_classes: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` when the bounds from :func:`target_bounds` leave ``[0, n_classes)``."""
+    if bounds is None:
+        return
+    values, event = bounds
+    if event is not None:
+        event.synchronize()
+    lowest, highest = values.tolist()
     bad = lowest if lowest < 0 else highest if highest >= n_classes else None
     if bad is not None:
         raise ValueError(
             f"target contains {bad}, outside [0, V) for V = {n_classes} classes, "
             f"and is not ignore_index ({ignore_index})"
         )
-    return max(n_valid, 1)
 
 
-def mean_grad_scale(n_valid: int, device: torch.device) -> torch.Tensor:
-    """``[1]`` fp32 device tensor ``1 / n_valid``: the gradient factor of ``"mean"``."""
-    return torch.full((1,), 1.0 / n_valid, dtype=torch.float32, device=device)
+def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """:func:`target_bounds` then :func:`check_target_bounds` at once, for callers with no kernels
+    to queue in between: a host sync where one is allowed, nothing otherwise."""
+    check_target_bounds(target_bounds(target, ignore_index), n_classes, ignore_index)
 
 
-def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: int) -> torch.Tensor:
-    """``[N]`` fp32 per-row values → the reduced scalar (or ``[N]`` for ``"none"``)."""
+def count_valid(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """``n_valid``: how many targets lie in ``[0, n_classes)`` and are not ``ignore_index``, as an
+    int64 scalar on the targets' device (the rows the kernels do not ignore)."""
+    valid = (target >= 0) & (target < n_classes)
+    if 0 <= ignore_index < n_classes:
+        valid &= target != ignore_index
+    return valid.sum()
+
+
+def mean_grad_scale(n_valid: torch.Tensor, numerator: float = 1.0) -> torch.Tensor:
+    """``[1]`` fp32 device tensor ``numerator / max(n_valid, 1)``: the gradient factor of ``"mean"``
+    (with no valid row every gradient row is zero whatever the factor)."""
+    return (numerator / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
+
+
+def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: torch.Tensor | None) -> torch.Tensor:
+    """``[N]`` fp32 per-row values → the reduced scalar (or ``[N]`` for ``"none"``); ``"mean"``
+    divides on the device by ``max(n_valid, 1)``: 0 when no row is valid."""
     if reduction == "none":
         return per_row
     total = per_row.sum()
-    return total / n_valid if reduction == "mean" else total
+    return total / n_valid.clamp(min=1) if reduction == "mean" else total
 
 
 def _loss_outputs_fake(n_rows: int, reduction: str, return_z_loss: bool, like: torch.Tensor):
@@ -272,11 +317,12 @@ def _loss_outputs_fake(n_rows: int, reduction: str, return_z_loss: bool, like: t
 def _cross_entropy_into(
     logits2d, target, grad, ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss,
 ):
-    """Check the targets, launch the kernel (gradient into ``grad`` unless ``None``), reduce."""
+    """Count the valid targets (for ``"mean"``), launch the kernel (gradient into ``grad`` unless
+    ``None``), reduce."""
     target = target.reshape(-1)
     n_rows = target.numel()
-    n_valid = check_targets(target, logits2d.shape[1], ignore_index)
-    grad_scale = mean_grad_scale(n_valid, logits2d.device) if reduction == "mean" and grad is not None else None
+    n_valid = count_valid(target, logits2d.shape[1], ignore_index) if reduction == "mean" else None
+    grad_scale = mean_grad_scale(n_valid) if n_valid is not None and grad is not None else None
     loss = logits2d.new_empty(n_rows, dtype=torch.float32)
     z_loss = torch.empty_like(loss) if return_z_loss else None
     launch_cross_entropy_fwd(
@@ -371,14 +417,16 @@ class CrossEntropyFunction(torch.autograd.Function):
 def cross_entropy(logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
                   return_z_loss, inplace_backward):
     """``logits [..., V]``, ``target [...]`` → the fp32 loss (and z-loss); inputs validated by
-    :mod:`tigon.functional`."""
+    :mod:`tigon.functional`, the targets' range here, once the kernels are queued."""
     # Known here, not inside forward (which always runs without grad mode), so that a loss
     # computed under torch.no_grad() neither pays for nor writes a gradient.
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
+    bounds = target_bounds(target, ignore_index)
     loss, z_loss = CrossEntropyFunction.apply(
         logits, target, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
         return_z_loss, inplace_backward, compute_grad,
     )
+    check_target_bounds(bounds, logits.shape[-1], ignore_index)
     return shaped_losses(loss, z_loss, target, reduction, return_z_loss)
 
 

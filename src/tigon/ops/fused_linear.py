@@ -13,9 +13,9 @@ holds the chunk's logits and then their gradient::
 ``row_scale`` (fp32 ``[C]``, or ``None`` for 1) is a factor per row that the head may only know
 after the logits have been reduced, such as a preference loss's derivative with respect to a
 whole sequence's log-probability: applying it to ``x_c`` and ``dx_c`` (``[C, H]``) rather than to
-``dlogits`` (``[C, V]``) spares a pass over the chunk's logits. ``matmul_scale`` multiplies every
-gradient, applied by the matmuls in fp32 (``1 / n_valid`` of a mean would otherwise be stored
-into 16-bit ``dlogits`` and flush small entries to zero).
+``dlogits`` (``[C, V]``) spares a pass over the chunk's logits. ``matmul_scale``, a host number,
+multiplies every gradient, applied by the matmuls in fp32 (a small factor such as a mean's
+``1 / N`` would otherwise be stored into 16-bit ``dlogits`` and flush small entries to zero).
 
 A chunk is one range of rows (a view of ``x``, no copy) or several ranges that must be in the same
 chunk, such as a preference pair's chosen and rejected sequences (gathered into one block, so that
@@ -29,9 +29,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-# Logits memory per chunk. Smaller chunks hold less but make the [V, H] weight gradient be read and
-# written once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
+# Logits memory per chunk by default, for vocabularies up to DEFAULT_CHUNK_VOCAB and in proportion
+# to V beyond it. Smaller chunks hold less but make the [V, H] weight gradient be read and written
+# once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
 DEFAULT_CHUNK_MEMORY_BYTES = 512 * 2**20
+# 512 MiB hold the 2048 rows of bf16 logits measured best at Llama 3's V = 128256, but only ~1700
+# at V = 151936 and 1024 at V = 262144, where the matmuls get thinner and the weight gradient's
+# round trips more. Scaled by V / 128256 the default keeps 2048 rows there, at 594 MiB and 1 GiB of
+# bf16 logits (fp32 logits keep 1024 rows, as at 128256).
+DEFAULT_CHUNK_VOCAB = 128256
 # Chunks larger than this many rows are rounded down to a multiple of it, a whole number of
 # matmul tiles.
 CHUNK_ROW_MULTIPLE = 64
@@ -43,8 +49,13 @@ ChunkHead = Callable[[RowRanges, torch.Tensor], torch.Tensor | None]
 
 
 def chunk_rows_for(n_rows: int, n_classes: int, element_size: int, chunk_memory_bytes: int | None) -> int:
-    """Rows per chunk: as many ``[V]`` logits rows as fit in ``chunk_memory_bytes``, at least 1."""
-    budget = DEFAULT_CHUNK_MEMORY_BYTES if chunk_memory_bytes is None else int(chunk_memory_bytes)
+    """Rows per chunk: as many ``[V]`` logits rows (``element_size`` bytes each) as fit in
+    ``chunk_memory_bytes``, at least 1 and at most ``n_rows``. ``None`` is
+    :data:`DEFAULT_CHUNK_MEMORY_BYTES`, times ``V / DEFAULT_CHUNK_VOCAB`` for a larger ``V``."""
+    if chunk_memory_bytes is None:
+        budget = DEFAULT_CHUNK_MEMORY_BYTES * max(n_classes, DEFAULT_CHUNK_VOCAB) // DEFAULT_CHUNK_VOCAB
+    else:
+        budget = int(chunk_memory_bytes)
     rows = max(1, budget // (n_classes * element_size))
     if rows > CHUNK_ROW_MULTIPLE:
         rows -= rows % CHUNK_ROW_MULTIPLE

@@ -8,8 +8,14 @@ the chunk loop of :mod:`tigon.ops.fused_linear` with tigon's cross-entropy kerne
     dx_c = dlogits @ W,  dW += dlogitsᵀ @ x_c,  db += Σ_rows dlogits
 
 ``dlogits`` is the cross-entropy gradient of :mod:`tigon.ops.cross_entropy` (softcap, label
-smoothing, z-loss and ``ignore_index`` included), already divided by the number of non-ignored
-tokens for ``"mean"``. For ``"mean"`` and ``"sum"`` the gradients are therefore computed during
+smoothing, z-loss and ``ignore_index`` included; targets checked as there, with no host sync
+under CUDA-graph capture). For ``"mean"`` every gradient is divided by ``n_valid``, the number of
+non-ignored tokens, counted on the device. A matmul's ``alpha`` must be a host number, so the
+factor is split in two: the matmuls apply ``1 / m`` (in fp32) and the kernel multiplies
+``dlogits`` by ``m / n_valid`` (a device tensor), with ``m = min(N, 2¹⁴)``. In fp16 that keeps
+the stored ``dlogits`` no smaller than unscaled ones up to 2¹⁴ tokens (no more entries flushed to
+zero: ``p / n_valid`` would flush for a few thousand tokens) and at most 2¹⁴ times larger (no
+overflow). For ``"mean"`` and ``"sum"`` the gradients are therefore computed during
 the forward pass and backward multiplies them by ``grad_output`` in place (nothing to do when it
 is 1, the usual ``loss.backward()``). For ``"none"`` the forward pass computes the losses only and
 backward recomputes the logits chunk by chunk with the per-token ``grad_output`` folded into
@@ -28,13 +34,20 @@ import torch
 
 from tigon.ops._launch import as_rows, tigon_op
 from tigon.ops.cross_entropy import (
-    check_targets,
+    check_target_bounds,
+    count_valid,
     cross_entropy_bwd,
     launch_cross_entropy_fwd,
+    mean_grad_scale,
     reduce_rows,
     shaped_losses,
+    target_bounds,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
+
+
+# The split of "mean"'s 1 / n_valid between the matmuls and the kernel: see the module docstring.
+MEAN_SCALE_ROWS = 2**14
 
 
 def _chunked_cross_entropy(
@@ -43,8 +56,8 @@ def _chunked_cross_entropy(
 ):
     """Writes ``loss [N]`` (and ``z_loss``) and, when any of them is given, the gradients
     ``grad_input [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (fp32), each gradient row of
-    the logits multiplied by ``grad_scale`` (``[N]`` or ``None``) and every gradient by
-    ``matmul_scale`` (``1 / n_valid`` for ``"mean"``)."""
+    the logits multiplied by ``grad_scale`` (fp32 ``[N]`` per row, ``[1]`` for every row, or
+    ``None``) and every gradient by the host number ``matmul_scale``."""
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
 
     def cross_entropy_head(ranges, logits):
@@ -104,18 +117,22 @@ def fused_linear_cross_entropy_fwd(
     ``grad_weight [V, H]``, ``grad_bias [V]`` for ``grad_output = 1`` (empty when not needed,
     and always for ``"none"``, whose backward recomputes)."""
     x2d, target = as_rows(input), target.reshape(-1)
-    n_valid = check_targets(target, weight.shape[0], ignore_index)
+    n_rows = x2d.shape[0]
+    n_valid = count_valid(target, weight.shape[0], ignore_index) if reduction == "mean" else None
     in_forward = reduction != "none"
     grad_input, grad_weight, grad_bias = new_grads(
         x2d, weight,
         grad_input_needed and in_forward, grad_weight_needed and in_forward, grad_bias_needed and in_forward,
     )
-    loss = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
+    grad_scale, matmul_scale = None, 1.0
+    if n_valid is not None and (grad_input_needed or grad_weight_needed or grad_bias_needed):
+        split = max(1, min(n_rows, MEAN_SCALE_ROWS))
+        grad_scale, matmul_scale = mean_grad_scale(n_valid, split), 1.0 / split
+    loss = x2d.new_empty(n_rows, dtype=torch.float32)
     z_loss = torch.empty_like(loss) if return_z_loss else None
     _chunked_cross_entropy(
-        x2d, weight, target, bias, None, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
-        ignore_index, label_smoothing, lse_square_scale, softcap,
-        matmul_scale=1.0 / n_valid if reduction == "mean" else 1.0,
+        x2d, weight, target, bias, grad_scale, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
+        ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale,
     )
     z_loss = reduce_rows(z_loss, reduction, n_valid) if return_z_loss else loss.new_empty(0)
     return reduce_rows(loss, reduction, n_valid), z_loss, *_grads_out(x2d, bias, grad_input, grad_weight, grad_bias)
@@ -196,15 +213,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 def fused_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction, label_smoothing,
                                lse_square_scale, softcap, return_z_loss, chunk_memory_bytes):
     """``input [..., H]``, ``weight [V, H]``, ``target [...]``, ``bias [V]`` → the fp32 loss (and
-    z-loss); inputs validated by :mod:`tigon.functional`."""
+    z-loss); inputs validated by :mod:`tigon.functional`, the targets' range here, once the
+    kernels are queued."""
     # Which gradients to compute, known here rather than inside forward (which always runs
     # without grad mode) so that nothing is computed under torch.no_grad().
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(
         t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias)
     )
+    bounds = target_bounds(target, ignore_index)
     loss, z_loss = FusedLinearCrossEntropyFunction.apply(
         input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
         return_z_loss, chunk_memory_bytes, needs,
     )
+    check_target_bounds(bounds, weight.shape[0], ignore_index)
     return shaped_losses(loss, z_loss, target, reduction, return_z_loss)

@@ -19,10 +19,17 @@ row of both logits: an online max / sum-exp of ``z / T`` and ``u / T``; the loss
 
 The rows are processed in chunks by :func:`tigon.ops.fused_linear.fused_linear_chunks`; its head
 computes the chunk's teacher logits into a second reused buffer and runs the kernel. The mean's
-``1 / n_valid`` is the matmuls' fp32 ``alpha`` (a 16-bit ``dz`` would flush it to zero), so
-``n_valid`` is read on the host: one sync per call when labels are given. The gradients are
-computed during the forward pass; backward multiplies them by ``grad_output`` in place (nothing
-to do when it is 1).
+``1 / n_valid`` is split as in :mod:`tigon.ops.fused_linear_cross_entropy`, with no host sync
+(nothing here waits for the GPU, so the call can be captured in a CUDA graph): ``n_valid`` is
+counted on the device, the matmuls apply the host number ``1 / m`` as their fp32 ``alpha`` and the
+kernel multiplies ``dz`` by the device factor ``m / n_valid`` as it writes it, with
+``m = min(N, MEAN_SCALE_ROWS)``. A 16-bit ``dz`` so stored is no smaller than the unscaled one
+while ``N ≤ MEAN_SCALE_ROWS`` (``dz / n_valid`` would flush small entries to zero in fp16) and at
+most ``m`` times larger: fp16 overflows only where ``|dz| > 65504·n_valid / m``. ``|dz|`` is of
+order 1 (tens where, at β near 1, the teacher gives a vanishing probability to the student's
+likely tokens), so that takes nearly every one of ``m`` rows ignored. Without labels the whole
+``1 / N`` is the matmuls'. The gradients are computed during the forward pass; backward
+multiplies them by ``grad_output`` in place (nothing to do when it is 1).
 
 Shapes: ``input [..., H]``, ``weight [V, H]`` of one dtype; ``teacher_input [..., H_t]``,
 ``teacher_weight [V, H_t]`` of one dtype (fp32/bf16/fp16, not necessarily the student's);
@@ -38,7 +45,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._launch import as_rows, tigon_op
-from tigon.ops.cross_entropy import store_zero_row
+from tigon.ops.cross_entropy import mean_grad_scale, reduce_rows, store_zero_row
 from tigon.ops.divergence import (
     flat_labels,
     kernel_variant,
@@ -47,6 +54,7 @@ from tigon.ops.divergence import (
     scale_grads_in_place,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, linear_logits, new_grads, row_chunks
+from tigon.ops.fused_linear_cross_entropy import MEAN_SCALE_ROWS
 
 
 @triton.jit
@@ -69,11 +77,12 @@ def _log_probs(logits_row, offs, mask, inv_temperature, shift, log_sum):
 
 @triton.jit
 def jsd_from_logits_fwd_kernel(
-    STUDENT, TEACHER, LABELS, LOSS,
+    STUDENT, TEACHER, LABELS, GRAD_SCALE, LOSS,
     n_rows, n_cols,
     stride_student, stride_teacher,
     ignore_index, beta, inv_temperature,
     DIVERGENCE: tl.constexpr, HAS_LABELS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Persistent grid: program p handles rows p, p + P, ...; each row is read in blocks of BLOCK_V.
@@ -82,6 +91,10 @@ def jsd_from_logits_fwd_kernel(
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_V)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
+    # dz's factor: 1 / T through the temperature, times the mean's device part (m / n_valid).
+    grad_factor = inv_temperature
+    if COMPUTE_GRAD and HAS_GRAD_SCALE:
+        grad_factor = inv_temperature * tl.load(GRAD_SCALE)
 
     for row in range(pid, n_rows, n_programs):
         row64 = tl.cast(row, tl.int64)
@@ -129,37 +142,41 @@ def jsd_from_logits_fwd_kernel(
 
             if COMPUTE_GRAD:
                 # Pass 3: dloss/dz = (g − q·Σg) / T with q = e^s, through the log-softmax and the
-                # temperature. Walked backwards: the blocks pass 2 read last are likeliest in L2.
+                # temperature (times GRAD_SCALE). Walked backwards: the blocks pass 2 read last are
+                # likeliest in L2.
                 for block in range(0, n_blocks):
                     offs = (n_blocks - 1 - block) * BLOCK_V + cols
                     mask = offs < n_cols
                     s = _log_probs(student_row, offs, mask, inv_temperature, student_shift, student_log_sum)
                     t = _log_probs(teacher_row, offs, mask, inv_temperature, teacher_shift, teacher_log_sum)
                     _, grad_s, _ = pointwise_divergence(s, t, beta, DIVERGENCE)
-                    grad_z = (grad_s - tl.exp(s) * grad_sum) * inv_temperature
+                    grad_z = (grad_s - tl.exp(s) * grad_sum) * grad_factor
                     tl.store(student_row + offs, grad_z.to(STUDENT.dtype.element_ty), mask=mask)
 
 
 def launch_jsd_from_logits(
     student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor | None, loss: torch.Tensor,
     beta: float, ignore_index: int, temperature: float, compute_grad: bool,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """Write the per-row losses ``loss [N]`` (fp32) and, with ``compute_grad``, dloss/dz over
-    ``student``.
+    ``student``, times ``grad_scale``.
 
     Args:
         student, teacher: ``[N, V]`` logits with unit column stride, any row stride.
         labels: ``[N]`` or ``None`` (no row ignored).
+        grad_scale: fp32 ``[1]`` device factor of every gradient row, or ``None`` for 1.
     """
     n_rows, n_cols = student.shape
     element_size = max(student.element_size(), teacher.element_size())
     block_v, num_warps, n_programs = launch_geometry(n_rows, n_cols, element_size, student.device)
     jsd_from_logits_fwd_kernel[(n_programs,)](
-        student, teacher, labels, loss,
+        student, teacher, labels, grad_scale, loss,
         n_rows, n_cols,
         student.stride(0), teacher.stride(0),
         ignore_index, beta, 1.0 / temperature,
         DIVERGENCE=kernel_variant("jsd", beta), HAS_LABELS=labels is not None, COMPUTE_GRAD=compute_grad,
+        HAS_GRAD_SCALE=grad_scale is not None,
         BLOCK_V=block_v, num_warps=num_warps,
     )
 
@@ -185,9 +202,15 @@ def fused_linear_jsd_fwd(
     x2d, teacher_x2d = as_rows(input), as_rows(teacher_input)
     n_rows = x2d.shape[0]
     labels = flat_labels(labels)
-    n_valid = n_rows if labels is None else int((labels != ignore_index).sum())
     grad_input, grad_weight, _ = new_grads(x2d, weight, grad_input_needed, grad_weight_needed, False)
     compute_grad = grad_input is not None or grad_weight is not None
+    # The mean's 1 / n_valid: counted on the device, split between the matmuls' alpha (a host
+    # number) and the kernel (see the module docstring).
+    n_valid = None if labels is None else (labels != ignore_index).sum()
+    grad_scale, matmul_scale = None, 1.0 / max(n_rows, 1)
+    if n_valid is not None and compute_grad:
+        split = max(1, min(n_rows, MEAN_SCALE_ROWS))
+        grad_scale, matmul_scale = mean_grad_scale(n_valid, split), 1.0 / split
     loss = x2d.new_empty(n_rows, dtype=torch.float32)
     teacher_buffer = teacher_x2d.new_empty((min(chunk_rows, n_rows), teacher_weight.shape[0]))
 
@@ -196,15 +219,15 @@ def fused_linear_jsd_fwd(
         teacher_logits = linear_logits(teacher_x2d[start:end], teacher_weight, None, teacher_buffer[: end - start])
         launch_jsd_from_logits(
             logits, teacher_logits, None if labels is None else labels[start:end], loss[start:end],
-            beta, ignore_index, temperature, compute_grad,
+            beta, ignore_index, temperature, compute_grad, grad_scale,
         )
 
     fused_linear_chunks(
         x2d, weight, None, row_chunks(n_rows, chunk_rows), jsd_head, grad_input, grad_weight,
-        matmul_scale=1.0 / max(n_valid, 1),
+        matmul_scale=matmul_scale,
     )
     return (
-        loss.sum() / max(n_valid, 1),
+        loss.sum() / max(n_rows, 1) if n_valid is None else reduce_rows(loss, "mean", n_valid),
         x2d.new_empty(0) if grad_input is None else grad_input,
         weight.new_empty(0) if grad_weight is None else grad_weight,
     )

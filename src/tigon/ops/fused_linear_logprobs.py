@@ -12,8 +12,10 @@ compute every loss. Per row, from the logits ``y`` and the head's transform::
     is_top1     = t is the first index where z is largest (``argmax``'s rule for ties)
 
 all in one online pass over each row; rows whose target is ``ignore_index`` give 0 (False) and no
-gradient. Only ``log_prob`` and ``entropy`` carry gradients. With upstream gradients ``g`` (of
-``log_prob``) and ``h`` (of ``entropy``), per row::
+gradient. So do rows whose target is outside ``[0, V)``, for which the host raises ``ValueError``
+once the kernels are queued, except under CUDA-graph capture and torch.compile, where nothing waits
+for the GPU (as in :mod:`tigon.ops.cross_entropy`). Only ``log_prob`` and ``entropy`` carry
+gradients. With upstream gradients ``g`` (of ``log_prob``) and ``h`` (of ``entropy``), per row::
 
     dL/dz_j = g·([j = t] − p_j) − h·p_j·(log p_j + entropy)
 
@@ -31,8 +33,12 @@ buffer is the one backward would allocate), and no recomputation at all when ``N
 log-probs, as SFT's: the forward then computes the gradients for ``g = 1`` in its chunk loop
 (``6·N·H·V``, what the fused linear cross entropy costs) and backward multiplies them by ``g``,
 provided that ``g`` is the same on every non-ignored row and ``entropy`` has no gradient. If not,
-backward recomputes as above: the result is exact either way, the guess only costs time. With a
-single chunk the option is ignored: the kept logits already make backward recompute nothing.
+backward recomputes as above: the result is exact either way, the guess only costs time. Checking
+``g`` takes one host sync in backward. Where the host may not wait (CUDA-graph capture,
+torch.compile) the promise is checked on the device instead, and a broken one makes the gradients
+NaN rather than silently wrong: the graph then runs the kernels an eager uniform ``g`` runs, which
+its warm-up has compiled. With a single chunk the option is ignored: the kept logits already make
+backward recompute nothing.
 
 :class:`FusedLinearLogprobLossFunction` serves losses whose per-token gradients are known once
 the log-probs are (the GRPO family, :mod:`tigon.losses.grpo`): the loss is computed inside, chunk
@@ -55,10 +61,12 @@ import triton.language as tl
 from tigon.ops._launch import as_rows, tigon_op
 from tigon.ops.cross_entropy import (
     LOG2E,
-    check_targets,
+    check_target_bounds,
     cross_entropy_bwd,
+    host_sync_allowed,
     softcapped,
     store_zero_row,
+    target_bounds,
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
@@ -122,7 +130,8 @@ def logprobs_fwd_kernel(
     for row in range(pid, n_rows, n_programs):
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
         target = tl.load(TARGET + row * stride_target)
-        if target == ignore_index:
+        # A target outside [0, V) is ignored: the host raises for it, after this kernel is queued.
+        if (target == ignore_index) | (target < 0) | (target >= n_cols):
             tl.store(LOG_PROB + row, 0.0)
             tl.store(LSE + row, 0.0)
             if STORE_ENTROPY:
@@ -208,7 +217,7 @@ def logprobs_bwd_kernel(
     for row in range(pid, n_rows, n_programs):
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
         target = tl.load(TARGET + row * stride_target)
-        if target == ignore_index:
+        if (target == ignore_index) | (target < 0) | (target >= n_cols):
             store_zero_row(logits_row, n_cols, BLOCK_V)
         else:
             grad_entropy = 0.0
@@ -310,7 +319,6 @@ def fused_linear_logprobs_fwd(
     ``grad_bias [V]`` of ``Σ log_prob`` (empty unless needed) and, with ``keep_logits``, the logits
     buffer ``[min(C, N), V]``, which holds the last chunk's logits in its first rows."""
     n_rows = input.shape[0]
-    check_targets(target, weight.shape[0], ignore_index)
     grad_input, grad_weight, grad_bias = new_grads(
         input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed,
     )
@@ -378,14 +386,32 @@ def fused_linear_logprobs_bwd(
     return _grads_out(input, bias, grad_input, grad_weight, grad_bias)
 
 
-def uniform_grad(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """The ``[1]`` fp32 value of ``grad_log_prob`` if it is the same on every non-ignored row, else
-    ``None`` (one host sync)."""
+def _valid_grad_bounds(grad_log_prob, target, ignore_index):
+    """``[1]`` lowest and highest ``grad_log_prob`` over the non-ignored rows (``inf``, ``-inf`` when
+    there are none)."""
     valid = target != ignore_index
     lowest = torch.where(valid, grad_log_prob, float("inf")).amin().reshape(1)
     highest = torch.where(valid, grad_log_prob, float("-inf")).amax().reshape(1)
+    return lowest, highest
+
+
+def uniform_grad(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The ``[1]`` fp32 value of ``grad_log_prob`` if it is the same on every non-ignored row, else
+    ``None``. The answer decides on the host what runs next: one host sync, so never call it
+    where :func:`~tigon.ops.cross_entropy.host_sync_allowed` is false."""
+    lowest, highest = _valid_grad_bounds(grad_log_prob, target, ignore_index)
     low, high = torch.cat((lowest, highest)).tolist()
     return lowest if low == high else None
+
+
+def uniform_grad_or_nan(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """:func:`uniform_grad` decided on the device: the ``[1]`` fp32 value of ``grad_log_prob`` if
+    it is the same on every non-ignored row (0 when there are none), else NaN, which turns every
+    gradient it scales into NaN."""
+    lowest, highest = _valid_grad_bounds(grad_log_prob, target, ignore_index)
+    # lowest > highest only without valid rows; a NaN among them compares false and propagates.
+    scale = torch.where(lowest > highest, 0.0, lowest)
+    return torch.where(lowest < highest, float("nan"), scale)
 
 
 class FusedLinearLogprobsFunction(torch.autograd.Function):
@@ -428,7 +454,10 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         grad_log_prob = torch.zeros_like(lse) if grad_log_prob is None else grad_log_prob.float().contiguous()
         scale = None
         if ctx.grad_in_forward and grad_entropy is None:
-            scale = uniform_grad(grad_log_prob, target, ignore_index)
+            if host_sync_allowed(grad_log_prob):
+                scale = uniform_grad(grad_log_prob, target, ignore_index)
+            else:
+                scale = uniform_grad_or_nan(grad_log_prob, target, ignore_index)
         if scale is not None:
             for grad, needed in zip((grads[0], grads[1], grads[2].view(1, -1)), ctx.needs):
                 if needed:
@@ -454,14 +483,16 @@ def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature
                           chunk_memory_bytes, grad_in_forward, backward_context):
     """``input [..., H]``, ``weight [V, H]``, ``target [...]`` → the five fields of :data:`FIELDS`,
     each ``target``-shaped (``None`` unless in ``outputs``); inputs validated by
-    :mod:`tigon.functional`."""
+    :mod:`tigon.functional`, the targets' range here, once the kernels are queued."""
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
     stored = tuple(name in outputs for name in FIELDS[1:])
+    bounds = target_bounds(target, ignore_index)
     fields = FusedLinearLogprobsFunction.apply(
         input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, stored, chunk_memory_bytes,
         needs, grad_in_forward, backward_context,
     )
+    check_target_bounds(bounds, weight.shape[0], ignore_index)
     return tuple(
         field.view(target.shape) if name in outputs else None for name, field in zip(FIELDS, fields)
     )
@@ -485,7 +516,6 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs):
         n_sequences, seq_len = target.shape
-        check_targets(target.reshape(-1), weight.shape[0], ignore_index)
         x2d, target_rows = as_rows(input), target.reshape(-1)
         per_chunk = sequences_per_chunk_for(seq_len, weight.shape[0], x2d.element_size(), False, chunk_memory_bytes)
         chunks = sequence_chunks(n_sequences, seq_len, False, per_chunk)
@@ -536,9 +566,13 @@ def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLo
                               temperature: float, chunk_memory_bytes: int | None):
     """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
     entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over chunks of whole
-    sequences; inputs validated by :mod:`tigon.losses`."""
+    sequences; inputs validated by :mod:`tigon.losses`, the targets' range here, once the kernels
+    are queued."""
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
-    return FusedLinearLogprobLossFunction.apply(
+    bounds = target_bounds(target, ignore_index)
+    result = FusedLinearLogprobLossFunction.apply(
         input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs,
     )
+    check_target_bounds(bounds, weight.shape[0], ignore_index)
+    return result
