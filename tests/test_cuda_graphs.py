@@ -33,6 +33,7 @@ import tigon
 import tigon.functional as tf
 import tigon.losses
 import tigon.ops.cross_entropy as cross_entropy_ops
+import tigon.ops.fused_linear as fused_linear_ops
 import tigon.ops.fused_linear_logprobs as fused_linear_logprobs_ops
 from tigon.transformers import apply_tigon
 from utils import DEVICE, TOLERANCE, relative_error
@@ -135,7 +136,7 @@ def test_no_host_read_by_tigon_where_syncs_are_forbidden(monkeypatch, hugging_fa
     during capture, tigon's code reads no tensor value on the host in a patched model's forward
     and backward (its loss, norms, rotary embedding, MLP), nor in the log-probs head's backward
     with ``grad_in_forward``."""
-    for module in (cross_entropy_ops, fused_linear_logprobs_ops):
+    for module in (cross_entropy_ops, fused_linear_ops, fused_linear_logprobs_ops):
         monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
     model = tiny_llama().to(DEVICE)
     fused = loss == "fused_linear_cross_entropy"

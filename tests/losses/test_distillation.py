@@ -4,7 +4,7 @@ import torch
 from tigon.testing import reference
 import tigon.losses.distillation as distill
 from tigon.ops import divergence
-from tigon.ops import fused_linear_jsd as fused_linear_jsd_ops
+from tigon.ops import fused_linear as fused_linear_ops
 from utils import DEVICE, ON_GPU, assert_close, leaf_copies, pick, randn
 
 # (token shape, student H, teacher H, V, rows per chunk): the chunk never divides the tokens, so
@@ -139,13 +139,14 @@ def test_gradients_only_where_needed(why):
 
 @pytest.mark.parametrize("labelled", [True, False], ids=["labels", "no_labels"])
 def test_no_host_read_and_the_mean_split_below_n(monkeypatch, labelled):
-    """Nothing waits for the GPU, so the loss can be captured in a CUDA graph: its forward and
-    backward read no tensor value on the host (``n_valid`` stays on the device). The mean's split
+    """Where the host may not wait (CUDA-graph capture) the loss's forward and backward read no
+    tensor value on the host (``n_valid`` stays on the device). The mean's split
     is capped below N here, as for a batch of more than MEAN_SCALE_ROWS tokens: the matmuls apply
     1/8 and the kernel 8 / n_valid."""
     from test_cuda_graphs import TigonHostReads
 
-    monkeypatch.setattr(fused_linear_jsd_ops, "MEAN_SCALE_ROWS", 8)
+    monkeypatch.setattr(fused_linear_ops, "host_sync_allowed", lambda tensor: False)
+    monkeypatch.setattr(fused_linear_ops, "MEAN_SCALE_ROWS", 8)
     x, weight, teacher_x, teacher_weight, labels, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     labels = labels if labelled else None
     x64, w64 = leaf_copies(x, weight)

@@ -5,7 +5,7 @@ from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn
 import tigon.ops.cross_entropy as cross_entropy_ops
-import tigon.ops.fused_linear_cross_entropy as fused_linear_cross_entropy_ops
+import tigon.ops.fused_linear as fused_linear_ops
 from tigon.ops.fused_linear import CHUNK_ROW_MULTIPLE, chunk_rows_for
 from utils import DEVICE, DTYPES, assert_close, leaf_copies, pick, randn
 
@@ -155,7 +155,8 @@ def test_target_out_of_range_raises(bad):
 def test_unchecked_out_of_range_targets_are_ignored(monkeypatch, reduction):
     """Where the host may not wait for the GPU (CUDA-graph capture, torch.compile) the range is not
     checked: a target outside [0, V) then counts as ignore_index, bit for bit."""
-    monkeypatch.setattr(cross_entropy_ops, "host_sync_allowed", lambda tensor: False)
+    for module in (cross_entropy_ops, fused_linear_ops):
+        monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     vocab = weight.shape[0]
     positions = [3, 12, 30]
@@ -176,12 +177,15 @@ def test_unchecked_out_of_range_targets_are_ignored(monkeypatch, reduction):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mean_split_between_matmuls_and_kernel(monkeypatch, dtype):
-    """The mean's 1 / n_valid is split as alpha = 1 / m (matmuls) and m / n_valid (kernel), with
-    m = min(N, MEAN_SCALE_ROWS): with fewer tokens than that m = N, so a cap of N / 2 makes the
-    split the general one, m < N, as with 2¹⁵ tokens (a smaller cap would scale fp16's dlogits
-    further into its subnormals than any real batch does)."""
+    """Where the host may not wait (CUDA-graph capture) the mean's 1 / n_valid is split as
+    alpha = 1 / m (matmuls) and m / n_valid (kernel), with m = min(N, MEAN_SCALE_ROWS): with fewer
+    tokens than that m = N, so a cap of N / 2 makes the split the general one, m < N, as with 2¹⁵
+    tokens (a smaller cap would scale fp16's dlogits further into its subnormals than any real
+    batch does)."""
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], dtype)
-    monkeypatch.setattr(fused_linear_cross_entropy_ops, "MEAN_SCALE_ROWS", target.numel() // 2)
+    for module in (cross_entropy_ops, fused_linear_ops):
+        monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
+    monkeypatch.setattr(fused_linear_ops, "MEAN_SCALE_ROWS", target.numel() // 2)
     _check(x, weight, target, b, dtype, chunk_memory_bytes, reduction="mean", label_smoothing=0.1)
 
 

@@ -16,6 +16,8 @@ whole sequence's log-probability: applying it to ``x_c`` and ``dx_c`` (``[C, H]`
 ``dlogits`` (``[C, V]``) spares a pass over the chunk's logits. ``matmul_scale``, a host number,
 multiplies every gradient, applied by the matmuls in fp32 (a small factor such as a mean's
 ``1 / N`` would otherwise be stored into 16-bit ``dlogits`` and flush small entries to zero).
+A mean over the non-ignored rows, whose count ``n_valid`` lives on the device, takes its factor
+from :func:`mean_scales`.
 
 A chunk is one range of rows (a view of ``x``, no copy) or several ranges that must be in the same
 chunk, such as a preference pair's chosen and rejected sequences (gathered into one block, so that
@@ -29,6 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tigon.ops.cross_entropy import host_sync_allowed, mean_grad_scale
+
 # Logits memory per chunk by default, for vocabularies up to DEFAULT_CHUNK_VOCAB and in proportion
 # to V beyond it. Smaller chunks hold less but make the [V, H] weight gradient be read and written
 # once more per chunk, and make the matmuls thinner: see docs/perf-notes/cross_entropy.md.
@@ -38,6 +42,9 @@ DEFAULT_CHUNK_MEMORY_BYTES = 512 * 2**20
 # round trips more. Scaled by V / 128256 the default keeps 2048 rows there, at 594 MiB and 1 GiB of
 # bf16 logits (fp32 logits keep 1024 rows, as at 128256).
 DEFAULT_CHUNK_VOCAB = 128256
+# Under CUDA-graph capture a mean's 1 / n_valid is split between the matmuls and the head's kernel:
+# see mean_scales.
+MEAN_SCALE_ROWS = 2**14
 # Chunks larger than this many rows are rounded down to a multiple of it, a whole number of
 # matmul tiles.
 CHUNK_ROW_MULTIPLE = 64
@@ -101,6 +108,25 @@ def new_grads(x2d, weight, grad_input_needed, grad_weight_needed, grad_bias_need
         new_weight_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed else None,
         torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias_needed else None,
     )
+
+
+def mean_scales(n_valid: torch.Tensor, n_rows: int) -> tuple[torch.Tensor | None, float]:
+    """``(grad_scale, matmul_scale)`` for a mean over ``n_valid`` (an int64 device scalar) of
+    ``n_rows`` rows: the head's kernel multiplies ``dlogits`` by ``grad_scale`` (an fp32 ``[1]``
+    device tensor, or ``None`` for 1) and the matmuls by the host number ``matmul_scale``.
+
+    Where the host may wait for the GPU, ``n_valid`` is read (one sync) and the whole
+    ``1 / n_valid`` is the matmuls' fp32 ``alpha``: the stored ``dlogits`` are the unscaled ones.
+    Under CUDA-graph capture nothing may wait, and a matmul's ``alpha`` must be a host number, so
+    the factor is split: the matmuls apply ``1 / m`` and the kernel ``m / n_valid``, with
+    ``m = min(n_rows, MEAN_SCALE_ROWS)``. In fp16 that keeps the stored ``dlogits`` no smaller than
+    unscaled ones up to ``MEAN_SCALE_ROWS`` rows (``p / n_valid`` would flush small entries to zero
+    for a few thousand rows) and at most ``m`` times larger (no overflow for gradients of order 1).
+    """
+    if host_sync_allowed(n_valid):
+        return None, 1.0 / max(int(n_valid), 1)
+    split = max(1, min(n_rows, MEAN_SCALE_ROWS))
+    return mean_grad_scale(n_valid, split), 1.0 / split
 
 
 def fused_linear_chunks(

@@ -10,12 +10,9 @@ the chunk loop of :mod:`tigon.ops.fused_linear` with tigon's cross-entropy kerne
 ``dlogits`` is the cross-entropy gradient of :mod:`tigon.ops.cross_entropy` (softcap, label
 smoothing, z-loss and ``ignore_index`` included; targets checked as there, with no host sync
 under CUDA-graph capture). For ``"mean"`` every gradient is divided by ``n_valid``, the number of
-non-ignored tokens, counted on the device. A matmul's ``alpha`` must be a host number, so the
-factor is split in two: the matmuls apply ``1 / m`` (in fp32) and the kernel multiplies
-``dlogits`` by ``m / n_valid`` (a device tensor), with ``m = min(N, 2¹⁴)``. In fp16 that keeps
-the stored ``dlogits`` no smaller than unscaled ones up to 2¹⁴ tokens (no more entries flushed to
-zero: ``p / n_valid`` would flush for a few thousand tokens) and at most 2¹⁴ times larger (no
-overflow). For ``"mean"`` and ``"sum"`` the gradients are therefore computed during
+non-ignored tokens, counted on the device: in eager mode the matmuls apply ``1 / n_valid`` in
+fp32, under CUDA-graph capture the matmuls and the kernel share it
+(:func:`tigon.ops.fused_linear.mean_scales`). For ``"mean"`` and ``"sum"`` the gradients are therefore computed during
 the forward pass and backward multiplies them by ``grad_output`` in place (nothing to do when it
 is 1, the usual ``loss.backward()``). For ``"none"`` the forward pass computes the losses only and
 backward recomputes the logits chunk by chunk with the per-token ``grad_output`` folded into
@@ -38,16 +35,11 @@ from tigon.ops.cross_entropy import (
     count_valid,
     cross_entropy_bwd,
     launch_cross_entropy_fwd,
-    mean_grad_scale,
     reduce_rows,
     shaped_losses,
     target_bounds,
 )
-from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
-
-
-# The split of "mean"'s 1 / n_valid between the matmuls and the kernel: see the module docstring.
-MEAN_SCALE_ROWS = 2**14
+from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, mean_scales, new_grads, row_chunks
 
 
 def _chunked_cross_entropy(
@@ -126,8 +118,7 @@ def fused_linear_cross_entropy_fwd(
     )
     grad_scale, matmul_scale = None, 1.0
     if n_valid is not None and (grad_input_needed or grad_weight_needed or grad_bias_needed):
-        split = max(1, min(n_rows, MEAN_SCALE_ROWS))
-        grad_scale, matmul_scale = mean_grad_scale(n_valid, split), 1.0 / split
+        grad_scale, matmul_scale = mean_scales(n_valid, n_rows)
     loss = x2d.new_empty(n_rows, dtype=torch.float32)
     z_loss = torch.empty_like(loss) if return_z_loss else None
     _chunked_cross_entropy(

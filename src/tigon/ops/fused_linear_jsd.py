@@ -19,15 +19,9 @@ row of both logits: an online max / sum-exp of ``z / T`` and ``u / T``; the loss
 
 The rows are processed in chunks by :func:`tigon.ops.fused_linear.fused_linear_chunks`; its head
 computes the chunk's teacher logits into a second reused buffer and runs the kernel. The mean's
-``1 / n_valid`` is split as in :mod:`tigon.ops.fused_linear_cross_entropy`, with no host sync
-(nothing here waits for the GPU, so the call can be captured in a CUDA graph): ``n_valid`` is
-counted on the device, the matmuls apply the host number ``1 / m`` as their fp32 ``alpha`` and the
-kernel multiplies ``dz`` by the device factor ``m / n_valid`` as it writes it, with
-``m = min(N, MEAN_SCALE_ROWS)``. A 16-bit ``dz`` so stored is no smaller than the unscaled one
-while ``N ≤ MEAN_SCALE_ROWS`` (``dz / n_valid`` would flush small entries to zero in fp16) and at
-most ``m`` times larger: fp16 overflows only where ``|dz| > 65504·n_valid / m``. ``|dz|`` is of
-order 1 (tens where, at β near 1, the teacher gives a vanishing probability to the student's
-likely tokens), so that takes nearly every one of ``m`` rows ignored. Without labels the whole
+``1 / n_valid`` is shared between the matmuls and the kernel's ``dz`` as in
+:mod:`tigon.ops.fused_linear_cross_entropy` (:func:`tigon.ops.fused_linear.mean_scales`), so that
+the call can be captured in a CUDA graph: ``n_valid`` is counted on the device. Without labels the whole
 ``1 / N`` is the matmuls'. The gradients are computed during the forward pass; backward
 multiplies them by ``grad_output`` in place (nothing to do when it is 1).
 
@@ -45,7 +39,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._launch import as_rows, tigon_op
-from tigon.ops.cross_entropy import mean_grad_scale, reduce_rows, store_zero_row
+from tigon.ops.cross_entropy import reduce_rows, store_zero_row
 from tigon.ops.divergence import (
     flat_labels,
     kernel_variant,
@@ -53,8 +47,14 @@ from tigon.ops.divergence import (
     pointwise_divergence,
     scale_grads_in_place,
 )
-from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, linear_logits, new_grads, row_chunks
-from tigon.ops.fused_linear_cross_entropy import MEAN_SCALE_ROWS
+from tigon.ops.fused_linear import (
+    chunk_rows_for,
+    fused_linear_chunks,
+    linear_logits,
+    mean_scales,
+    new_grads,
+    row_chunks,
+)
 
 
 @triton.jit
@@ -204,13 +204,10 @@ def fused_linear_jsd_fwd(
     labels = flat_labels(labels)
     grad_input, grad_weight, _ = new_grads(x2d, weight, grad_input_needed, grad_weight_needed, False)
     compute_grad = grad_input is not None or grad_weight is not None
-    # The mean's 1 / n_valid: counted on the device, split between the matmuls' alpha (a host
-    # number) and the kernel (see the module docstring).
     n_valid = None if labels is None else (labels != ignore_index).sum()
     grad_scale, matmul_scale = None, 1.0 / max(n_rows, 1)
     if n_valid is not None and compute_grad:
-        split = max(1, min(n_rows, MEAN_SCALE_ROWS))
-        grad_scale, matmul_scale = mean_grad_scale(n_valid, split), 1.0 / split
+        grad_scale, matmul_scale = mean_scales(n_valid, n_rows)
     loss = x2d.new_empty(n_rows, dtype=torch.float32)
     teacher_buffer = teacher_x2d.new_empty((min(chunk_rows, n_rows), teacher_weight.shape[0]))
 
