@@ -87,7 +87,7 @@ def test_fit_checkpointing_needs_a_cuda_model():
 
 @pytest.mark.parametrize("budget", [0.0, -1.0, float("inf"), float("nan")])
 def test_fit_checkpointing_rejects_a_budget_that_is_not_a_positive_number(budget):
-    with pytest.raises(ValueError, match=f"memory_budget_gib must be a positive number of GiB, got {budget}"):
+    with pytest.raises(ValueError, match=f"memory_budget_gib must be a positive number of GiB or None, got {budget}"):
         fit_checkpointing(tiny_model("llama").train(), {}, budget)
 
 
@@ -175,3 +175,15 @@ def test_a_budget_below_the_all_recomputed_peak_is_refused():
     with pytest.raises(ValueError, match=r"needs [\d.]+ GiB with all 6 layers recomputed, over memory_budget_gib = 0\.10"):
         fit_checkpointing(model, _gpu_batch(0), 0.1)
     assert all(layer.gradient_checkpointing for layer in checkpointing_layers(model))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
+def test_no_budget_fits_the_all_recomputed_peak():
+    """``None``: the budget is the step's own peak with every layer recomputed, measured in the same
+    probing, so that plan always fits (a budget measured apart can come out a few bytes under it)."""
+    model = _gpu_model(patched=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    plan = fit_checkpointing(model, _gpu_batch(0), None, optimizer=optimizer)
+    assert plan.budget_gib == plan.probes[0]
+    assert plan.peak_gib <= plan.budget_gib
+    assert all(peak > plan.budget_gib * 0.98 for kept, peak in plan.probes.items() if kept > plan.kept), plan

@@ -32,8 +32,16 @@ setup, Hugging Face included, runs the same search, :func:`tigon.transformers.fi
 which probes training steps and keeps the activations of as many of the last layers as fit; each
 result records the plan, every probe's peak and the timed steps' own peak against the budget.
 
-    tigon bench e2e [--model llama | qwen3_moe] [--lora | --qlora] [--setups hf liger tigon] [--steps 6]
-        [--optimizer fused] [--router-aux-loss] [--budget hf | GiB] [--out DIR]
+``--cuda-graph`` captures each setup's whole training step (forward, backward, AdamW with
+``capturable=True``, gradients zeroed in place) as one CUDA graph after three warm-up steps on a
+side stream, and replays it on every new batch, copied into the captured input: no host time is
+left in the step, which is what small batches are bound by. A setup whose step cannot be captured
+(a host sync inside it) fails and says why. The peak memory is the capture's (replays allocate
+nothing).
+
+    tigon bench e2e [--model llama | llama_1b | qwen3_moe] [--lora | --qlora] [--setups hf liger tigon]
+        [--steps 6] [--batch 4] [--seq-len 4096] [--optimizer fused] [--router-aux-loss]
+        [--budget hf | GiB] [--cuda-graph] [--out DIR]
     (python -m tigon.bench.e2e takes the same arguments)
 """
 
@@ -46,6 +54,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,9 +200,9 @@ def quantize_4bit(model, compute_dtype=torch.bfloat16):
     return model
 
 
-def new_optimizer(model, kind: str) -> torch.optim.Optimizer:
+def new_optimizer(model, kind: str, capturable: bool = False) -> torch.optim.Optimizer:
     trained = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trained, lr=1e-5, fused=kind == "fused", foreach=kind == "foreach")
+    return torch.optim.AdamW(trained, lr=1e-5, fused=kind == "fused", foreach=kind == "foreach", capturable=capturable)
 
 
 def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peaks: dict | None = None) -> float:
@@ -216,6 +225,43 @@ def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peak
     optimizer.zero_grad(set_to_none=True)
     end_phase("optimizer")
     return loss.item()
+
+
+def captured_train_step(model, optimizer, batch: int, seq_len: int, generator) -> tuple[Callable[[], float], float]:
+    """The training step captured as one CUDA graph: → (a call that draws a new batch into the
+    captured input, replays the graph and returns the loss; the peak memory (GiB) of the warm-up
+    and the capture). ``optimizer`` must be capturable."""
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
+
+    def step():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # the captured gradients stay where the graph wrote them
+        return loss.detach()
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    # Warm-up on a side stream, as capture requires: Triton compiles, cuBLAS picks its kernels,
+    # the optimizer's state and the gradients are allocated.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    torch.cuda.synchronize()
+    capture_peak = torch.cuda.max_memory_allocated() / 2**30
+
+    def replay() -> float:
+        tokens.copy_(torch.randint(0, model.config.vocab_size, tokens.shape, device="cuda", generator=generator))
+        graph.replay()
+        return loss.item()
+
+    return replay, capture_peak
 
 
 def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int = 24) -> list[dict]:
@@ -243,21 +289,24 @@ def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int
     return rows
 
 
-def time_steps(model, optimizer, batch: int, seq_len: int, steps: int, generator) -> dict:
-    """Two warm-up steps, then ``steps`` timed ones: tokens/s of this process, the peak memory of
-    its training steps and every step's loss; then one more step for the peak of each phase."""
-    losses = [train_step(model, optimizer, batch, seq_len, generator) for _ in range(2)]
+def time_steps(step: Callable[[], float], tokens_per_step: int, steps: int,
+               phase_step: Callable[[dict], float] | None = None) -> dict:
+    """Two warm-up calls of ``step`` (→ the loss), then ``steps`` timed ones: tokens/s of this
+    process, the peak memory of its training steps and every step's loss; then, with
+    ``phase_step``, one more step that records the peak of each phase."""
+    losses = [step() for _ in range(2)]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    losses += [train_step(model, optimizer, batch, seq_len, generator) for _ in range(steps)]
+    losses += [step() for _ in range(steps)]
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30
     phase_peaks = {}
-    losses.append(train_step(model, optimizer, batch, seq_len, generator, phase_peaks))
+    if phase_step is not None:
+        losses.append(phase_step(phase_peaks))
     return {
-        "tokens_per_second": batch * seq_len * steps / seconds, "peak_memory_gib": peak,
+        "tokens_per_second": tokens_per_step * steps / seconds, "peak_memory_gib": peak,
         "peak_memory_by_phase_gib": phase_peaks, "losses": losses,
     }
 
@@ -272,15 +321,14 @@ def label(setup: str, lora: str | None) -> str:
 def fit_budget(model, optimizer, batch: int, seq_len: int, budget: str) -> dict:
     """Fits ``model``'s checkpointing to ``budget`` (GiB, or "self": its own peak with every layer
     recomputed) on a probe batch of the training shape; returns the plan as a result's record."""
-    from tigon.transformers import fit_checkpointing, measure_step_peak
+    from tigon.transformers import fit_checkpointing
 
     generator = torch.Generator(device="cuda").manual_seed(1)  # the timed steps' data stay as without probes
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
     probe_batch = {"input_ids": tokens, "labels": tokens}
-    budget_gib = measure_step_peak(model, probe_batch, optimizer=optimizer) if budget == "self" else float(budget)
-    plan = fit_checkpointing(model, probe_batch, budget_gib, optimizer=optimizer)
+    plan = fit_checkpointing(model, probe_batch, None if budget == "self" else float(budget), optimizer=optimizer)
     return {
-        "budget_gib": budget_gib, "layers_kept": plan.kept, "layers_recomputed": plan.recomputed,
+        "budget_gib": plan.budget_gib, "layers_kept": plan.kept, "layers_recomputed": plan.recomputed,
         "probe_peak_gib": plan.peak_gib, "probes_gib": plan.probes,
     }
 
@@ -295,15 +343,25 @@ def run_setup(args, setup: str) -> dict:
         model = quantize_4bit(model)
     if lora:
         model = with_lora(model)
-    optimizer = new_optimizer(model, args.optimizer)
+    optimizer = new_optimizer(model, args.optimizer, capturable=args.cuda_graph)
     checkpointing = fit_budget(model, optimizer, batch, seq_len, args.budget_gib) if args.budget_gib else None
     generator = torch.Generator(device="cuda").manual_seed(0)
+    if args.cuda_graph:
+        step, capture_peak = captured_train_step(model, optimizer, batch, seq_len, generator)
+        timed = time_steps(step, batch * seq_len, args.steps)
+        timed["peak_memory_gib"] = max(timed["peak_memory_gib"], capture_peak)
+    else:
+        timed = time_steps(
+            lambda: train_step(model, optimizer, batch, seq_len, generator), batch * seq_len, args.steps,
+            lambda phase_peaks: train_step(model, optimizer, batch, seq_len, generator, phase_peaks),
+        )
     result = {
         "setup": setup, "label": label(setup, "QLoRA" if args.qlora else "LoRA" if args.lora else None),
         "model": args.model, "lora": lora, "layers": args.layers, "batch": batch,
         "seq_len": seq_len, "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
+        "cuda_graph": args.cuda_graph,
         **({"experts": experts, "router_aux_loss": args.router_aux_loss} if experts else {}),
-        **time_steps(model, optimizer, batch, seq_len, args.steps, generator),
+        **timed,
     }
     if checkpointing:
         checkpointing["within_budget"] = result["peak_memory_gib"] <= checkpointing["budget_gib"]
@@ -335,7 +393,12 @@ def plot(results: list[dict], path: Path, device: str) -> None:
         + (f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers" if "checkpointing" in r else "")
         for r in results
     ]
-    panels = [("tokens_per_second", "tokens/s (batch 4 × 4096)"), ("peak_memory_gib", "peak memory (GiB)")]
+    first = results[0]
+    graphed = ", one CUDA graph per step" if first.get("cuda_graph") else ""
+    panels = [
+        ("tokens_per_second", f"tokens/s (batch {first['batch']} × {first['seq_len']}{graphed})"),
+        ("peak_memory_gib", "peak memory (GiB)"),
+    ]
     if any(r["longest_seq_len_batch1"] for r in results):  # searched unless --max-search 0
         panels.append(("longest_seq_len_batch1", "longest sequence at batch 1"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
@@ -348,7 +411,6 @@ def plot(results: list[dict], path: Path, device: str) -> None:
     what = "full fine-tuning"
     if results[0]["lora"]:
         what = f"PEFT {'QLoRA (NF4 base)' if 'QLoRA' in results[0]['label'] else 'LoRA'} r 16 on all linear layers"
-    first = results[0]
     checkpointing = "gradient checkpointing"
     if "checkpointing" in first:
         checkpointing = f"checkpointing fitted to {first['checkpointing']['budget_gib']:.1f} GiB"
@@ -376,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --model qwen3_moe: add the router's auxiliary loss (off in the released config)")
     parser.add_argument("--budget", default=None,
                         help="'hf' or GiB: each setup at its best per-layer checkpointing within this peak")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="capture each setup's whole training step as one CUDA graph and replay it")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", choices=(*SETUPS, FULL_TIGON), help=argparse.SUPPRESS)
     parser.add_argument("--budget-gib", default=None, help=argparse.SUPPRESS)  # a child's: GiB, or "self"
@@ -389,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--budget hf needs the hf setup (--setups hf ...)")
         if args.lora or args.qlora:
             parser.error("--budget trains full fine-tuning only")
+    if args.cuda_graph and (args.lora or args.qlora):
+        parser.error("--cuda-graph trains full fine-tuning only")
     if args.model not in ("llama", "llama_1b") and (args.lora or args.qlora):
         parser.error("--lora and --qlora train the Llama model only")
     if args.router_aux_loss and not MODELS[args.model].experts:
@@ -411,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget is not None:  # Hugging Face first: its peak may be the budget
         setups.sort(key=lambda setup: setup != "hf")
         args.max_search = 0
+    if args.cuda_graph:  # the longest-sequence search trains eagerly, on other shapes
+        args.max_search = 0
     budget = args.budget
     for setup in setups:
         if args.budget == "hf":
@@ -425,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             "--max-search", str(args.max_search), "--optimizer", args.optimizer,
             *["--lora"] * args.lora, *["--qlora"] * args.qlora, *["--memory-profile"] * args.memory_profile,
             *["--router-aux-loss"] * args.router_aux_loss, *(["--budget-gib", budget] if budget else []),
+            *["--cuda-graph"] * args.cuda_graph,
         ]
         completed = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
@@ -459,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         name += "_aux_loss"
     if args.budget is not None:
         name += f"_budget_{args.budget}"
+    if (args.batch, args.seq_len) != (4, 4096):
+        name += f"_b{args.batch}x{args.seq_len}"
+    if args.cuda_graph:
+        name += "_graph"
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
     plot(results, out / f"{name}.png", torch.cuda.get_device_name())
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")

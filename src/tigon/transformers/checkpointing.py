@@ -102,7 +102,7 @@ def set_checkpointing(model: torch.nn.Module, kept: int) -> None:
 def fit_checkpointing(
     model: torch.nn.Module,
     batch: Mapping[str, torch.Tensor],
-    memory_budget_gib: float,
+    memory_budget_gib: float | None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     headroom_gib: float | None = None,
@@ -114,7 +114,9 @@ def fit_checkpointing(
         model: a Hugging Face model on a CUDA device, in training mode, patched or not.
         batch: a training batch of the shape training will use, as the model takes it
             (``input_ids``, ``labels``, ...). Its loss is ``model(**batch).loss`` unless ``loss_fn``.
-        memory_budget_gib: the peak of a whole training step, in GiB of allocated memory.
+        memory_budget_gib: the peak of a whole training step, in GiB of allocated memory; ``None``
+            for the step's own peak with every layer recomputed, measured in the same probing (no
+            more memory than full checkpointing, with as little recomputation as fits in it).
         optimizer: the optimizer training will step, so that its state and its step's memory count.
             A fresh one's state is cleared again after probing; one with state keeps it unchanged
             (its step is not probed then: the state already counts, a step's temporaries do not).
@@ -124,10 +126,9 @@ def fit_checkpointing(
     Returns the :class:`CheckpointingPlan`, already applied to ``model``. Raises ``ValueError`` when
     the step exceeds the budget even with every layer recomputed.
     """
-    if not math.isfinite(memory_budget_gib) or memory_budget_gib <= 0:
-        raise ValueError(f"memory_budget_gib must be a positive number of GiB, got {memory_budget_gib}")
+    if memory_budget_gib is not None and (not math.isfinite(memory_budget_gib) or memory_budget_gib <= 0):
+        raise ValueError(f"memory_budget_gib must be a positive number of GiB or None, got {memory_budget_gib}")
     _check_probe_args(model)
-    headroom = HEADROOM_FRACTION * memory_budget_gib if headroom_gib is None else headroom_gib
     n_layers = len(checkpointing_layers(model))
     probes: dict[int, float] = {}
     with _probing(model, batch, optimizer, loss_fn) as probe:
@@ -137,16 +138,20 @@ def fit_checkpointing(
             probes[kept] = probe()
             return probes[kept]
 
-        def fits(kept: int) -> bool:
-            return peak_with(kept) <= memory_budget_gib - headroom
-
         peak_with(0)  # creates the optimizer's state as the first step would; later probes see it
-        if peak_with(0) > memory_budget_gib:
+        if memory_budget_gib is None:
+            memory_budget_gib = peak_with(0)
+        elif peak_with(0) > memory_budget_gib:
             set_checkpointing(model, 0)
             raise ValueError(
                 f"a training step needs {probes[0]:.2f} GiB with all {n_layers} layers recomputed, "
                 f"over memory_budget_gib = {memory_budget_gib:.2f}"
             )
+        headroom = HEADROOM_FRACTION * memory_budget_gib if headroom_gib is None else headroom_gib
+
+        def fits(kept: int) -> bool:
+            return peak_with(kept) <= memory_budget_gib - headroom
+
         # The largest kept in [0, n_layers] that fits (kept = 0 stands even inside the headroom).
         low, high = 0, n_layers + 1
         if fits(n_layers):
