@@ -18,6 +18,7 @@ from utils import DEVICE, ON_GPU
         (["--budget", "hf", "--setups", "liger", "tigon"], "--budget hf needs the hf setup"),
         (["--budget", "30", "--lora"], "--budget trains full fine-tuning only"),
         (["--cuda-graph", "--qlora"], "--cuda-graph trains full fine-tuning only"),
+        (["--cuda-graph", "--budget", "hf"], "--cuda-graph and --budget do not combine"),
     ],
 )
 def test_budget_options_are_refused_by_name(argv, message, capsys):

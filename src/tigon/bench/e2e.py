@@ -37,7 +37,7 @@ result records the plan, every probe's peak and the timed steps' own peak agains
 side stream, and replays it on every new batch, copied into the captured input: no host time is
 left in the step, which is what small batches are bound by. A setup whose step cannot be captured
 (a host sync inside it) fails and says why. The peak memory is the capture's (replays allocate
-nothing).
+nothing). It does not combine with ``--budget``, whose plans are probed with eager steps.
 
     tigon bench e2e [--model llama | llama_1b | qwen3_moe] [--lora | --qlora] [--setups hf liger tigon]
         [--steps 6] [--batch 4] [--seq-len 4096] [--optimizer fused] [--router-aux-loss]
@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--budget trains full fine-tuning only")
     if args.cuda_graph and (args.lora or args.qlora):
         parser.error("--cuda-graph trains full fine-tuning only")
+    if args.cuda_graph and args.budget is not None:
+        # The plan is probed with eager steps; a captured step also holds its graph's private memory
+        # pool (1.1 GiB over the budget for the 1B at batch 1 x 1024), so the budget would not hold.
+        parser.error("--cuda-graph and --budget do not combine: the budget is probed with eager steps")
     if args.model not in ("llama", "llama_1b") and (args.lora or args.qlora):
         parser.error("--lora and --qlora train the Llama model only")
     if args.router_aux_loss and not MODELS[args.model].experts:
