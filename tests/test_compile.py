@@ -43,30 +43,55 @@ class TinyBlock(torch.nn.Module):
         return ce + flce
 
 
+def _block_inputs(seed, batch=2, seq=12):
+    """``(x, cos, sin, target)`` for TinyBlock; how many targets are ignored changes with ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, 64, generator=generator).to(DEVICE)
+    angles = torch.rand(1, seq, 8, generator=generator) * 6.28
+    angles = torch.cat((angles, angles), dim=-1).to(DEVICE)
+    target = torch.randint(0, 130, (batch, seq), generator=generator)
+    target[0, : 3 + seed] = -100
+    return x, angles.cos(), angles.sin(), target.to(DEVICE)
+
+
+def _loss_and_grads(model, fn, inputs):
+    model.zero_grad()
+    loss = fn(*inputs)
+    loss.backward()
+    return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.slow
 def test_fullgraph_compile_matches_eager():
     torch.manual_seed(0)
     model = TinyBlock().to(DEVICE)
-    batch, seq = 2, 12
-    x = randn(batch, seq, 64)
-    angles = torch.rand(1, seq, 8, device=DEVICE) * 6.28
-    angles = torch.cat((angles, angles), dim=-1)
-    target = torch.randint(0, 130, (batch, seq), device=DEVICE)
-    target[0, :3] = -100
-
-    def loss_and_grads(fn):
-        model.zero_grad()
-        loss = fn(x, angles.cos(), angles.sin(), target)
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    eager_loss, eager_grads = loss_and_grads(model)
+    inputs = _block_inputs(0)
+    eager_loss, eager_grads = _loss_and_grads(model, model, inputs)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
-    compiled_loss, compiled_grads = loss_and_grads(compiled)
+    compiled_loss, compiled_grads = _loss_and_grads(model, compiled, inputs)
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
     for compiled_grad, eager_grad in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_reduce_overhead_compile_replays_as_eager():
+    """``mode="reduce-overhead"`` records forward and backward as CUDA graphs (cudagraph trees) with
+    tigon's ops inside and replays them: on new inputs, with a different count of ignored targets
+    each time (the losses' mean divides by it on the device), the loss and gradients are eager's."""
+    torch.manual_seed(0)
+    model = TinyBlock().to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    for seed in range(5):  # the first calls warm up and record; the later ones replay
+        inputs = _block_inputs(seed)
+        eager_loss, eager_grads = _loss_and_grads(model, model, inputs)
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled_loss, compiled_grads = _loss_and_grads(model, compiled, inputs)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6, msg=f"loss, call {seed}")
+        for compiled_grad, eager_grad in zip(compiled_grads, eager_grads):
+            torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6, msg=f"gradient, call {seed}")
 
 
 @pytest.mark.slow
