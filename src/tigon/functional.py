@@ -32,7 +32,7 @@ from tigon.ops import lora as _lora
 from tigon.ops import moe as _moe
 from tigon.ops import rms_norm as _rms_norm
 from tigon.ops import rope as _rope
-from tigon.ops._launch import MAX_FUSED_ROW
+from tigon.ops._launch import MAX_FUSED_ROW, host_sync_allowed, range_to_host, read_range
 
 __all__ = [
     "rms_norm",
@@ -579,29 +579,18 @@ def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
 
 
 def _expert_id_bounds(top_k_index):
-    """The lowest and highest expert id, copied to the host without waiting, and the CUDA event
-    after which they are there; ``None`` where no host sync is allowed (torch.compile, CUDA graph
-    capture). Waiting on the event after the experts' kernels are queued keeps the GPU busy while
-    the host waits (those kernels read only valid memory whatever the ids)."""
-    if torch.compiler.is_compiling() or top_k_index.numel() == 0:
+    """The expert ids' range on its way to the host (:func:`~tigon.ops._launch.range_to_host`):
+    read once the experts' kernels are queued, which read only valid memory whatever the ids;
+    ``None`` where no host sync is allowed (torch.compile, CUDA graph capture)."""
+    if top_k_index.numel() == 0 or not host_sync_allowed(top_k_index):
         return None
-    if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    bounds = torch.stack(torch.aminmax(top_k_index)).to("cpu", non_blocking=True)
-    event = None
-    if top_k_index.is_cuda:
-        event = torch.cuda.Event()
-        event.record()
-    return bounds, event
+    return range_to_host(top_k_index)
 
 
 def _check_expert_ids(bounds, n_experts):
     if bounds is None:
         return
-    values, event = bounds
-    if event is not None:
-        event.synchronize()
-    low, high = values.tolist()
+    low, high = read_range(bounds)
     if low < 0 or high >= n_experts:
         raise ValueError(
             f"top_k_index must hold expert ids in [0, {n_experts}) (gate_up_proj has {n_experts} experts), "

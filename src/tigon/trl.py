@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 import tigon.functional as tf
-from tigon.ops.cross_entropy import host_sync_allowed
+from tigon.ops._launch import host_sync_allowed
 from tigon.ops.fused_linear_logprobs import uniform_grad
 
 try:

@@ -252,6 +252,36 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     )
 
 
+def host_sync_allowed(tensor: torch.Tensor) -> bool:
+    """False where the host must not wait for the GPU: under torch.compile and while a CUDA graph
+    is being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def range_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``(values.min(), values.max())`` of a non-empty integer tensor to the host
+    without waiting; :func:`read_range` waits for them. An argument check that queues the kernels
+    using ``values`` in between keeps the GPU busy while the host waits (kernels that read only
+    valid memory whatever the values)."""
+    pending = torch.stack(torch.aminmax(values)).to("cpu", non_blocking=True)
+    event = None
+    if values.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return pending, event
+
+
+def read_range(copy: tuple[torch.Tensor, torch.cuda.Event | None]) -> tuple[int, int]:
+    """``(lowest, highest)`` from :func:`range_to_host`, once the copy has landed."""
+    values, event = copy
+    if event is not None:
+        event.synchronize()
+    lowest, highest = values.tolist()
+    return lowest, highest
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x [..., H]`` as a 2-D ``[rows, H]`` view whose last dimension is contiguous.
 

@@ -51,7 +51,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows, num_programs_for, row_launch_config, tigon_op
+from tigon.ops._launch import (
+    as_rows,
+    host_sync_allowed,
+    num_programs_for,
+    range_to_host,
+    read_range,
+    row_launch_config,
+    tigon_op,
+)
 
 # A vocabulary row is processed in blocks of at most this many bytes (32768 bf16 logits, 16 warps:
 # 32 elements and four 16-byte loads per thread). Swept on the H100 at [8192, 128256] bf16
@@ -237,39 +245,22 @@ def launch_cross_entropy_fwd(
     )
 
 
-def host_sync_allowed(tensor: torch.Tensor) -> bool:
-    """False where the host must not wait for the GPU: under torch.compile and while a CUDA graph
-    is being captured."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def target_bounds(target: torch.Tensor, ignore_index: int):
-    """The lowest and highest target other than ``ignore_index``, copied to the host without
-    waiting, and the CUDA event after which they are there; ``None`` where no host sync is allowed
-    (:func:`host_sync_allowed`) or there are no targets. Queue the loss's kernels before
-    :func:`check_target_bounds` waits for the event: the GPU then runs them while the host waits
-    (they treat an out-of-range target as ignored, so they read only valid memory)."""
+    """The range of the targets other than ``ignore_index`` on its way to the host
+    (:func:`~tigon.ops._launch.range_to_host`); ``None`` where no host sync is allowed
+    (:func:`~tigon.ops._launch.host_sync_allowed`) or there are no targets. Queue the loss's
+    kernels before :func:`check_target_bounds` waits for it: the GPU then runs them while the host
+    waits (they treat an out-of-range target as ignored, so they read only valid memory)."""
     if target.numel() == 0 or not host_sync_allowed(target):
         return None
-    bounds = torch.stack(torch.aminmax(torch.where(target != ignore_index, target, 0)))
-    bounds = bounds.to("cpu", non_blocking=True)
-    event = None
-    if target.is_cuda:
-        event = torch.cuda.Event()
-        event.record()
-    return bounds, event
+    return range_to_host(torch.where(target != ignore_index, target, 0))
 
 
 def check_target_bounds(bounds, n_classes: int, ignore_index: int) -> None:
     """Raise ``ValueError`` when the bounds from :func:`target_bounds` leave ``[0, n_classes)``."""
     if bounds is None:
         return
-    values, event = bounds
-    if event is not None:
-        event.synchronize()
-    lowest, highest = values.tolist()
+    lowest, highest = read_range(bounds)
     bad = lowest if lowest < 0 else highest if highest >= n_classes else None
     if bad is not None:
         raise ValueError(

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tigon.ops.cross_entropy import host_sync_allowed, mean_grad_scale
+from tigon.ops._launch import host_sync_allowed
+from tigon.ops.cross_entropy import mean_grad_scale
 
 # Logits memory per chunk by default, for vocabularies up to DEFAULT_CHUNK_VOCAB and in proportion
 # to V beyond it. Smaller chunks hold less but make the [V, H] weight gradient be read and written

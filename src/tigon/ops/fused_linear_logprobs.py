@@ -58,12 +58,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows, tigon_op
+from tigon.ops._launch import as_rows, host_sync_allowed, tigon_op
 from tigon.ops.cross_entropy import (
     LOG2E,
     check_target_bounds,
     cross_entropy_bwd,
-    host_sync_allowed,
     softcapped,
     store_zero_row,
     target_bounds,
@@ -398,7 +397,7 @@ def _valid_grad_bounds(grad_log_prob, target, ignore_index):
 def uniform_grad(grad_log_prob: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
     """The ``[1]`` fp32 value of ``grad_log_prob`` if it is the same on every non-ignored row, else
     ``None``. The answer decides on the host what runs next: one host sync, so never call it
-    where :func:`~tigon.ops.cross_entropy.host_sync_allowed` is false."""
+    where :func:`~tigon.ops._launch.host_sync_allowed` is false."""
     lowest, highest = _valid_grad_bounds(grad_log_prob, target, ignore_index)
     low, high = torch.cat((lowest, highest)).tolist()
     return lowest if low == high else None
