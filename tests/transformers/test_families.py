@@ -10,7 +10,14 @@ import transformers
 from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
 from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
 from tiny_models import TINY, replay, tiny_config, tiny_model, train
-from utils import ON_GPU, hugging_face_state, relative_error, restore_hugging_face
+from utils import (
+    ILL_CONDITIONED,
+    ILL_CONDITIONED_FROM,
+    ON_GPU,
+    hugging_face_state,
+    relative_error,
+    restore_hugging_face,
+)
 
 
 def build(model_type, **options):
@@ -93,16 +100,7 @@ BF16_GRADS_FACTOR, BF16_GRADS_STEP_FACTOR, BF16_GRAD_FACTOR, BF16_GRAD_FLOOR = 1
 # attention without RoPE (CLIP's and SigLIP's vision towers), as softmax ignores a shift shared by
 # all keys. Such a gradient is compared absolutely, within ZERO_GRAD of the whole gradient's norm.
 ZERO_GRAD = 1e-7
-# Some gradients are ill-conditioned in fp32: rounding errors of order 1e-7 upstream move them by
-# 1e-5 or more, so Hugging Face's own fp32 model computes them far from the exact (fp64) value, e.g.
-# the decay parameters (A_log, dt_bias) of Gated DeltaNet's chunked recurrence (3-6e-4 off in
-# Qwen3-Next) and DeepSeek V4's hyper-connection head (up to 2e-5). Where the patched model's
-# gradient is not within TIGHT of Hugging Face's fp32 one, the same weights are replayed in fp64:
-# the gradient counts as ill-conditioned if Hugging Face's fp32 one is more than ILL_CONDITIONED_FROM
-# (16 times fp32's unit roundoff) from the exact one, and the patched gradient must then be as close
-# to the exact one as Hugging Face's fp32 is, within ILL_CONDITIONED times its distance (the
-# per-parameter factor of the bf16 comparison below).
-ILL_CONDITIONED_FROM, ILL_CONDITIONED = 1e-6, 4.0
+# Ill-conditioned gradients are compared with an fp64 replay: see utils.ILL_CONDITIONED.
 
 
 def exact_replay(model_type, truth, batch):

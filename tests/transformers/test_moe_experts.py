@@ -1,6 +1,7 @@
 """tigon as transformers' experts implementation "tigon": the MoE families' experts by the fused
 kernel, through apply_tigon or set on the config, computing what transformers' grouped_mm does."""
 
+import functools
 import importlib
 
 import pytest
@@ -12,7 +13,14 @@ from transformers.integrations.moe import use_experts_implementation
 from tigon.transformers import FAMILIES, apply_tigon, apply_tigon_to_mixtral, moe
 from tiny_family_models import tiny_family_batch, tiny_family_model
 from tiny_models import TINY, tiny_batch, tiny_model
-from utils import graph_functions, relative_error
+from utils import (
+    ILL_CONDITIONED,
+    ILL_CONDITIONED_FROM,
+    graph_functions,
+    hugging_face_state,
+    relative_error,
+    restore_hugging_face,
+)
 
 # fp32: the loss and every gradient within TIGHT of transformers' grouped_mm (a gradient that is
 # zero, as an expert no token chose, compared absolutely).
@@ -49,16 +57,37 @@ def loss_and_grads(model, batch):
     return loss.detach(), graph_functions(loss), grads
 
 
-def assert_matches(run, truth):
+def assert_matches(run, truth, exact=None):
+    """Loss and gradients within TIGHT of the truth's; with ``exact`` (→ an fp64 step's gradients),
+    an ill-conditioned gradient may instead be as close to fp64's as the truth's is (the families'
+    rule, utils.ILL_CONDITIONED)."""
     (loss, _, grads), (truth_loss, _, truth_grads) = run, truth
     assert relative_error(loss, truth_loss) <= TIGHT, "loss"
     assert grads.keys() == truth_grads.keys() and grads
     for name, grad in truth_grads.items():
-        assert relative_error(grads[name], grad) <= TIGHT, f"grad of {name}"
+        error = relative_error(grads[name], grad)
+        if error <= TIGHT:
+            continue
+        assert exact is not None, f"grad of {name}: {error:.3g}"
+        truth_error, patched_error = relative_error(grad, exact()[name]), relative_error(grads[name], exact()[name])
+        assert truth_error > ILL_CONDITIONED_FROM and patched_error <= ILL_CONDITIONED * truth_error, (
+            f"grad of {name}: {error:.3g} from the fp32 truth; from fp64 {patched_error:.3g}, the truth {truth_error:.3g}"
+        )
 
 
 def experts_modules(model):
     return [module for module in model.modules() if hasattr(module, "is_transposed")]
+
+
+def set_experts(model, model_type, implementation=None):
+    """``model`` with its experts' family attributes (EXPERTS_ATTRIBUTES) and, if given, their
+    ``experts_implementation``."""
+    for experts in experts_modules(model):
+        if implementation is not None:
+            experts.config._experts_implementation = implementation
+        for name, value in EXPERTS_ATTRIBUTES.get(model_type, {}).items():
+            setattr(experts, name, value)
+    return model
 
 
 def experts_implementations(model):
@@ -70,28 +99,37 @@ def test_patched_experts_match_eager(model_type):
     """Both models patched alike but for the experts, which the truth runs through transformers'
     eager loop (one fp32 matmul per expert, its reference): the comparison is of the experts alone
     (the families' tests compare the rest with Hugging Face's, by their own rules on the GPU).
-    Against grouped_mm in fp32 on the H100, GPT-OSS's embedding gradient differed by 7e-4 and
-    Gemma 4's by 1.4e-5, while the kernel matched fp64 within 1e-5 there (tests/ops/test_moe.py)."""
+    On the H100 the fp32 eager loop itself is 1e-3 from fp64 in GPT-OSS's embedding gradient (7e-4
+    for the kernel): such a gradient is compared with an fp64 step's by the families' rule."""
     options = FAMILY_OPTIONS[model_type]
+    unpatched = hugging_face_state()
+
+    @functools.cache
+    def exact():
+        patched_modules = hugging_face_state()
+        restore_hugging_face(unpatched)
+        try:
+            model = set_experts(build(model_type, **options).double(), model_type, "eager")
+            return loss_and_grads(model, batch)[2]
+        finally:
+            restore_hugging_face(patched_modules)
+
     plain = build(model_type, **options)
     patched = build(model_type, **options)
     patched.load_state_dict(plain.state_dict())
+    batch = batch_of(model_type)
     apply_tigon(plain, experts=False)
     assert experts_implementations(plain) == {"grouped_mm"}
-    for experts in experts_modules(plain):
-        experts.config._experts_implementation = "eager"
+    set_experts(plain, model_type, "eager")
     apply_tigon(patched)
     assert experts_implementations(patched) == {"tigon"}
-    for experts in (*experts_modules(plain), *experts_modules(patched)):
-        for name, value in EXPERTS_ATTRIBUTES.get(model_type, {}).items():
-            setattr(experts, name, value)
-    batch = batch_of(model_type)
+    set_experts(patched, model_type)
     truth, run = loss_and_grads(plain, batch), loss_and_grads(patched, batch)
     assert KERNEL in run[1] and KERNEL not in truth[1]
     # The routing weights carry the loss's gradient back into the router.
     routers = [name for name in truth[2] if ".router." in name or ".gate.weight" in name]
     assert routers and all(truth[2][name].norm() > 0 for name in routers)
-    assert_matches(run, truth)
+    assert_matches(run, truth, exact)
 
 
 # Experts classes of the table's modules that the kernel does not compute: DeepSeek V4's gate
