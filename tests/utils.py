@@ -34,6 +34,17 @@ def pick(cpu, gpu):
 ILL_CONDITIONED_FROM, ILL_CONDITIONED = 1e-6, 4.0
 
 
+def assert_ill_conditioned(what: str, grad: torch.Tensor, truth: torch.Tensor, exact: torch.Tensor) -> None:
+    """``grad``, which is not within the test's tolerance of the fp32 ``truth``, passes only as an
+    ill-conditioned gradient: ``truth`` more than ILL_CONDITIONED_FROM from the fp64 ``exact``, and
+    ``grad`` at most ILL_CONDITIONED times as far from it."""
+    truth_error, error = relative_error(truth, exact), relative_error(grad, exact)
+    assert truth_error > ILL_CONDITIONED_FROM and error <= ILL_CONDITIONED * truth_error, (
+        f"{what}: {relative_error(grad, truth):.3g} from the fp32 truth; from fp64 {error:.3g}, "
+        f"the fp32 truth {truth_error:.3g}"
+    )
+
+
 def relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
     """Norm-wise relative error over the finite entries; non-finite entries must match exactly
     (NaN where the truth has NaN, the same infinity where it has one)."""

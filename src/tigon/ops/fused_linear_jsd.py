@@ -19,10 +19,10 @@ row of both logits: an online max / sum-exp of ``z / T`` and ``u / T``; the loss
 
 The rows are processed in chunks by :func:`tigon.ops.fused_linear.fused_linear_chunks`; its head
 computes the chunk's teacher logits into a second reused buffer and runs the kernel. The mean's
-``1 / n_valid`` is shared between the matmuls and the kernel's ``dz`` as in
-:mod:`tigon.ops.fused_linear_cross_entropy` (:func:`tigon.ops.fused_linear.mean_scales`), so that
-the call can be captured in a CUDA graph: ``n_valid`` is counted on the device. Without labels the whole
-``1 / N`` is the matmuls'. The gradients are computed during the forward pass; backward
+``1 / n_valid`` (``n_valid`` counted on the device) is shared between the matmuls and the kernel's
+``dz`` as in :mod:`tigon.ops.fused_linear_cross_entropy` (:func:`tigon.ops.fused_linear.mean_scales`),
+so that the call can be captured in a CUDA graph. Without labels the whole ``1 / N`` is the
+matmuls'. The gradients are computed during the forward pass; backward
 multiplies them by ``grad_output`` in place (nothing to do when it is 1).
 
 Shapes: ``input [..., H]``, ``weight [V, H]`` of one dtype; ``teacher_input [..., H_t]``,
