@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 
@@ -107,6 +108,18 @@ def hugging_face_state():
         forward = vars(layer)["forward"]
         state.append((None, {}, layer, {"forward": getattr(forward, "tigon_wraps", forward)}))
     return state
+
+
+@contextlib.contextmanager
+def hugging_face_as(state):
+    """Inside the block, Hugging Face's modules as :func:`hugging_face_state` saw them in ``state``
+    (an fp64 replay of the model as Hugging Face wrote it); after it, as they were before it."""
+    current = hugging_face_state()
+    restore_hugging_face(state)
+    try:
+        yield
+    finally:
+        restore_hugging_face(current)
 
 
 def restore_hugging_face(state) -> None:

@@ -10,7 +10,7 @@ import transformers
 from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
 from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
 from tiny_models import TINY, replay, tiny_config, tiny_model, train
-from utils import ON_GPU, assert_ill_conditioned, hugging_face_state, relative_error, restore_hugging_face
+from utils import ON_GPU, assert_ill_conditioned, hugging_face_as, hugging_face_state, relative_error
 
 
 def build(model_type, **options):
@@ -104,17 +104,13 @@ def exact_replay(model_type, truth, batch):
 
     @functools.cache
     def run():
-        patched = hugging_face_state()
-        restore_hugging_face(plain)
-        try:
+        with hugging_face_as(plain):
             model = build(model_type).double()
             for module in model.modules():
                 if isinstance(getattr(module, "config", None), transformers.PretrainedConfig):
                     module.config._experts_implementation = "eager"
             inputs = batch and {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
             return replay(model, truth, inputs)
-        finally:
-            restore_hugging_face(patched)
 
     return run
 

@@ -13,7 +13,7 @@ from transformers.integrations.moe import use_experts_implementation
 from tigon.transformers import FAMILIES, apply_tigon, apply_tigon_to_mixtral, moe
 from tiny_family_models import tiny_family_batch, tiny_family_model
 from tiny_models import TINY, tiny_batch, tiny_model
-from utils import assert_ill_conditioned, graph_functions, hugging_face_state, relative_error, restore_hugging_face
+from utils import assert_ill_conditioned, graph_functions, hugging_face_as, hugging_face_state, relative_error
 
 # fp32: the loss and every gradient within TIGHT of transformers' grouped_mm (a gradient that is
 # zero, as an expert no token chose, compared absolutely).
@@ -96,13 +96,9 @@ def test_patched_experts_match_eager(model_type):
 
     @functools.cache
     def exact():
-        patched_modules = hugging_face_state()
-        restore_hugging_face(unpatched)
-        try:
+        with hugging_face_as(unpatched):
             model = set_experts(build(model_type, **options).double(), model_type, "eager")
             return loss_and_grads(model, batch)[2]
-        finally:
-            restore_hugging_face(patched_modules)
 
     plain = build(model_type, **options)
     patched = build(model_type, **options)

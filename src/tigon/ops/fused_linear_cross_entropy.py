@@ -12,8 +12,8 @@ smoothing, z-loss and ``ignore_index`` included; targets checked as there, with 
 under CUDA-graph capture). For ``"mean"`` every gradient is divided by ``n_valid``, the number of
 non-ignored tokens, counted on the device: in eager mode the matmuls apply ``1 / n_valid`` in
 fp32, under CUDA-graph capture the matmuls and the kernel share it
-(:func:`tigon.ops.fused_linear.mean_scales`). For ``"mean"`` and ``"sum"`` the gradients are therefore computed during
-the forward pass and backward multiplies them by ``grad_output`` in place (nothing to do when it
+(:func:`tigon.ops.fused_linear.mean_scales`). For ``"mean"`` and ``"sum"`` the gradients are
+therefore computed during the forward pass and backward multiplies them by ``grad_output`` in place (nothing to do when it
 is 1, the usual ``loss.backward()``). For ``"none"`` the forward pass computes the losses only and
 backward recomputes the logits chunk by chunk with the per-token ``grad_output`` folded into
 ``dlogits``. Gradients are computed only for the tensors that require them: a frozen head (LoRA)
