@@ -1,4 +1,9 @@
-"""Under Triton's interpreter, fp32 → bf16 casts round to nearest even, as the GPU's do."""
+"""Under Triton's interpreter, fp32 → bf16 casts round to nearest even, as the GPU's do, and the
+kernels run whatever imported Triton before tigon."""
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -33,3 +38,27 @@ def test_kernel_rounds_like_eager():
     x32 = x.float()
     eager = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     assert torch.equal(tf.rms_norm(x, weight, eps=1e-6), eager)
+
+
+# Each imports Triton (transformers through its integrations, torch._inductor through its runtime)
+# before tigon can switch the interpreter on. A fresh process: this one imported tigon long ago.
+FIRST_IMPORTS = ["from transformers import LlamaForCausalLM", "import peft", "import trl", "import torch._inductor"]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter runs only without a GPU")
+@pytest.mark.parametrize("first_import", FIRST_IMPORTS)
+def test_import_order_does_not_matter(first_import):
+    script = f"""
+{first_import}
+import triton.language
+import torch
+import tigon.functional as tf
+x = torch.randn(5, 40)
+weight = torch.rand(40) + 0.5
+expected = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+torch.testing.assert_close(tf.rms_norm(x, weight, eps=1e-6), expected)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -2,8 +2,10 @@
 
 Without a CUDA device, Triton can only execute kernels through its interpreter, which must be
 switched on before any kernel is defined: importing tigon does that (``TRITON_INTERPRET=1``)
-unless the variable is already set, so every op also runs, slowly, on CPU tensors. Under the
-interpreter, fp32 → bf16 casts are made to round to nearest even, as on the GPU.
+unless the variable is already set, so every op also runs, slowly, on CPU tensors. Triton's own
+library functions, decorated in compiled mode if a library imported Triton first (transformers,
+PEFT, TRL, ``torch._inductor``), are re-decorated for the interpreter, so the import order does not
+matter. Under the interpreter, fp32 → bf16 casts are made to round to nearest even, as on the GPU.
 """
 
 import os
@@ -13,8 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tigon._interpreter import round_bf16_casts_to_nearest
+    from tigon._interpreter import interpret_triton_library, round_bf16_casts_to_nearest
 
+    interpret_triton_library()
     round_bf16_casts_to_nearest()
 
 from tigon import functional, nn  # noqa: E402

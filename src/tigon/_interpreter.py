@@ -1,14 +1,53 @@
-"""Triton's interpreter (``TRITON_INTERPRET=1``) made to round as the GPU does.
+"""Triton's interpreter (``TRITON_INTERPRET=1``) made to work whatever was imported first, and to
+round as the GPU does.
 
-Triton 3.6's interpreter casts fp32 to bf16 by truncating the mantissa (rounding toward zero),
-whereas the GPU rounds to nearest even. Truncation doubles the error of every bf16 value a kernel
-stores and biases it toward zero, so on CPU a bf16 kernel would look twice as far from its fp64
-reference as it is on the GPU. fp16 casts go through numpy, which already rounds to nearest.
+Import order: ``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates. Triton's own library
+functions (``tl.sum``, ``tl.max``, ``tl.cdiv``, ...) are decorated when ``triton.language`` is
+first imported, which transformers, PEFT, TRL and ``torch._inductor`` do before ``import tigon``
+can switch the interpreter on: those functions are then compiled-mode ``JITFunction`` objects,
+which refuse to be called from an interpreted kernel ("Cannot call @triton.jit'd outside of the
+scope of a kernel"). :func:`interpret_triton_library` re-decorates them as the interpreter would
+have.
+
+Rounding: Triton 3.6's interpreter casts fp32 to bf16 by truncating the mantissa (rounding toward
+zero), whereas the GPU rounds to nearest even. Truncation doubles the error of every bf16 value a
+kernel stores and biases it toward zero, so on CPU a bf16 kernel would look twice as far from its
+fp64 reference as it is on the GPU. fp16 casts go through numpy, which already rounds to nearest.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+
+def interpret_triton_library() -> int:
+    """Re-decorate, for the interpreter, every ``triton.language`` function that was decorated in
+    compiled mode (Triton imported before ``TRITON_INTERPRET`` was set): module attributes and the
+    ``tl.tensor`` methods alike, one interpreted function per original. Returns how many."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    interpreted: dict[int, InterpretedFunction] = {}
+
+    def as_interpreted(function: JITFunction) -> InterpretedFunction:
+        if id(function) not in interpreted:
+            interpreted[id(function)] = InterpretedFunction(
+                function.fn, version=function.version, do_not_specialize=function.do_not_specialize,
+                do_not_specialize_on_alignment=function.do_not_specialize_on_alignment, debug=function.debug,
+                noinline=function.noinline, repr=function.repr, launch_metadata=function.launch_metadata,
+            )
+        return interpreted[id(function)]
+
+    import triton.language as tl
+
+    owners = [module for name, module in list(sys.modules.items()) if name.startswith("triton.language")]
+    for owner in [*owners, tl.core.tensor]:
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, JITFunction):
+                setattr(owner, name, as_interpreted(value))
+    return len(interpreted)
 
 
 def _fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
