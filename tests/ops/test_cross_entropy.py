@@ -291,6 +291,21 @@ def test_module():
     assert_close(logits.grad, logits64.grad, torch.bfloat16, "grad of logits")
 
 
+def test_module_leaves_logits_unless_asked():
+    # torch.nn.CrossEntropyLoss never writes into its input: a second call on the same logits
+    # gives the same loss. inplace_backward=True is the opt-in that overwrites them.
+    shape = SHAPES[1]
+    logits = randn(*shape, requires_grad=True)
+    original = logits.detach().clone()
+    target = _targets(shape[:-1], shape[-1])
+    first = tigon.nn.CrossEntropyLoss()(logits, target)
+    second = tigon.nn.CrossEntropyLoss()(logits, target)
+    assert torch.equal(logits.detach(), original)
+    assert torch.equal(first, second)
+    tigon.nn.CrossEntropyLoss(inplace_backward=True)(logits, target)
+    assert not torch.equal(logits.detach(), original)
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_torch_compile_fullgraph(inplace, reduction):

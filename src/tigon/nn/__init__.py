@@ -148,14 +148,15 @@ class GeGLUMLP(_GatedMLP):
 class CrossEntropyLoss(nn.Module):
     """``loss(logits, target)`` with the options of :func:`tigon.functional.cross_entropy`.
 
-    ``inplace_backward`` defaults to ``True`` here: the gradient overwrites the logits during the
-    forward pass, so the loss costs no extra ``[N, V]`` memory. The logits must not be used after
-    the call; pass ``inplace_backward=False`` if they are.
+    Like ``torch.nn.CrossEntropyLoss`` it leaves ``logits`` as they were. ``inplace_backward=True``
+    is the faster opt-in: the gradient overwrites the logits during the forward pass, so the loss
+    costs no extra ``[N, V]`` memory, but the logits must then not be used after the call (nor be
+    needed by another op's backward).
     """
 
     def __init__(
         self, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
-        softcap=None, return_z_loss=False, inplace_backward=True,
+        softcap=None, return_z_loss=False, inplace_backward=False,
     ):
         super().__init__()
         self.options = dict(
