@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # pinned to the versions of the GPU machine so both test the same thing.
 PINS := torch==2.13.0 triton==3.6.0
 
-.PHONY: check test bench demo wheel-check clean
+.PHONY: check test bench demo docs wheel-check clean
 
 $(BIN)/tigon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ test: $(BIN)/tigon
 
 bench: $(BIN)/tigon
 	$(BIN)/tigon bench
+
+# The docs site, warnings as errors, into site/; the docs extra joins the venv when missing.
+$(BIN)/mkdocs: $(BIN)/tigon
+	$(BIN)/pip install --quiet -e ".[docs]"
+	touch $@
+
+docs: $(BIN)/mkdocs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # The wheel as a user installs it, outside the checkout: build, install, check, bench, demo.
 wheel-check:

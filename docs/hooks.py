@@ -1,0 +1,174 @@
+"""MkDocs hooks of tigon's docs site (registered in mkdocs.yml under ``hooks:``).
+
+- The model support matrix of ``models.md`` is generated from the families table,
+  ``tigon.transformers.families.FAMILIES``, at every build: the marker line
+  ``<!-- families-matrix -->`` becomes one row per family, so the page cannot drift from the code.
+- A link from a page to a file of the repository outside ``docs/`` (a perf note's link to
+  ``../../benchmarks/results/...``) works where the Markdown is read on its own, but has no page
+  on the site: it becomes the link's text and the file's path in the repository, as code.
+- The docstrings use Sphinx roles (``:func:`rms_norm```), which Markdown renders as the role's
+  name followed by code; they become optional cross-references (a link where the object is
+  documented on the site, plain code where it is not, never a warning).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+MATRIX_MARKER = "<!-- families-matrix -->"
+FAMILIES_FILE = Path(__file__).resolve().parent.parent / "src" / "tigon" / "transformers" / "families.py"
+
+# What each rotary form of the table computes (tigon.transformers.layers.ROPE_FORMS); a form
+# missing here is shown by its key.
+ROPE_FORMS = {
+    "rotate_half": "rotate-half pairs",
+    "single": "rotate-half, q and k in separate calls",
+    "half_table": "rotate-half, half-width tables",
+    "complex_bhtd": "complex (interleaved) pairs",
+    "complex_bthd": "complex pairs, [B, T, H, D] layout",
+    "deepseek_interleave": "interleaved pairs, half-split output",
+    "glm": "interleaved pairs of the first half",
+    "glm4v": "interleaved pairs, one table entry per feature",
+    "deepseek_v4": "interleaved pairs of the last features",
+}
+GATES = {"swiglu": "SwiGLU", "geglu": "GeGLU", "relu2": "squared ReLU", "swiglu_clamped": "clamped SwiGLU"}
+LAYOUTS = {
+    "separate": "",
+    "gate_up": ", one gate_up projection",
+    "up_down": ", no gate",
+    "experts": ", the experts' gate",
+}
+
+
+def load_families() -> dict:
+    """The families table, loaded from its file alone: it is plain data (dataclasses), so the
+    build needs neither torch nor transformers to be imported."""
+    spec = importlib.util.spec_from_file_location("_tigon_families_for_docs", FAMILIES_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module.FAMILIES
+
+
+def _kind(family) -> str:
+    if family.head is None:
+        return "vision tower"
+    moe = " (MoE)" if family.experts else ""
+    if family.head.endswith("ForConditionalGeneration"):
+        return f"vision-language{moe}"
+    return f"text{moe}"
+
+
+def _norm(norm) -> str:
+    kernel = {"rms": "RMSNorm", "rms_gated": "gated RMSNorm", "layer": "LayerNorm"}.get(norm.kind, norm.kind)
+    details = []
+    if norm.offset:
+        details.append(f"{norm.offset:g} + weight")
+    if norm.kind != "layer" and norm.casting != "llama":
+        details.append(f"{norm.casting} casting")
+    suffix = f" ({', '.join(details)})" if details else ""
+    return f"`{norm.name}`: {kernel}{suffix}"
+
+
+def _rope(rope) -> str:
+    return f"`{rope.name}`: {ROPE_FORMS.get(rope.form, rope.form)}"
+
+
+def _mlp(mlp) -> str:
+    return f"`{mlp.name}`: {GATES.get(mlp.gate, mlp.gate)}{LAYOUTS.get(mlp.layout, ', ' + mlp.layout)}"
+
+
+def _head(family) -> str:
+    if family.head is None:
+        return "none (patched inside the model that holds it)"
+    settings = [
+        (family.logit_softcap, "softcap"),
+        (family.logit_divisor, "logits divided by"),
+        (family.logit_multiplier, "logits multiplied by"),
+        (family.aux_loss_coef, "router loss"),
+    ]
+    extras = [f"{what} `{field}`" for field, what in settings if field]
+    return f"`{family.head}`: fused linear cross entropy" + "".join(f"; {extra}" for extra in extras)
+
+
+def _cell(items) -> str:
+    return "<br>".join(items) if items else "—"
+
+
+def families_matrix(families: dict) -> str:
+    """The support matrix as a Markdown table, one row per family in the table's order."""
+    lines = [
+        "| model type | kind | norms | RoPE | MLP | MoE experts | loss head | flags |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model_type, family in families.items():
+        flags = sorted({row.flag for row in family.sub_rows()})
+        if family.head is not None:
+            flags.append("fused_linear_cross_entropy")
+        cells = [
+            f"`{model_type}`",
+            _kind(family),
+            _cell([_norm(norm) for norm in family.norms]),
+            _cell([_rope(rope) for rope in family.ropes]),
+            _cell([_mlp(mlp) for mlp in family.mlps]),
+            _cell([f"`{experts.name}`: fused MoE" for experts in family.experts]),
+            _head(family),
+            _cell([f"`{flag}`" for flag in flags]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+_LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
+
+
+def _repository_links(markdown: str, page, docs_dir: Path) -> str:
+    root = docs_dir.parent
+    page_dir = (docs_dir / page.file.src_path).parent
+
+    def replace(match: re.Match) -> str:
+        text, target = match.groups()
+        if re.match(r"[a-z]+:|#|/", target):
+            return match.group(0)
+        path = (page_dir / target.split("#")[0]).resolve()
+        if path.is_relative_to(docs_dir) or not path.is_relative_to(root):
+            return match.group(0)
+        shown = path.relative_to(root).as_posix() + ("/" if target.endswith("/") else "")
+        return f"{text} (`{shown}`)"
+
+    return _LINK.sub(replace, markdown)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = _repository_links(markdown, page, Path(config["docs_dir"]).resolve())
+    if MATRIX_MARKER in markdown:
+        families = load_families()
+        summary = f"{len(families)} rows, generated from `tigon.transformers.families.FAMILIES` at build time.\n\n"
+        markdown = markdown.replace(MATRIX_MARKER, summary + families_matrix(families))
+    return markdown
+
+
+# ``:func:`name``` as Markdown renders it: the role, then the code span.
+_ROLE = re.compile(r":(?:func|meth|class|mod|data|attr|obj|exc):<code>(~?)([\w.]+)</code>")
+_OBJECT_ID = re.compile(r'id="(tigon(?:\.\w+)*)"')
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    # An unqualified name is taken relative to the page's first documented module (api/nn.md's
+    # ``tigon.nn``): where that misses, the reference is optional and renders as code.
+    first = _OBJECT_ID.search(html)
+    module = first.group(1) if first else ""
+
+    def reference(match: re.Match) -> str:
+        short, target = match.group(1), match.group(2)
+        identifier = target if target.startswith(("tigon.", "torch.")) or not module else f"{module}.{target}"
+        shown = target.rsplit(".", 1)[-1] if short else target
+        return f'<autoref identifier="{identifier}" optional><code>{shown}</code></autoref>'
+
+    return _ROLE.sub(reference, html)
