@@ -7,10 +7,9 @@ import sys
 
 
 def _check(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="tigon check", description="Every op once against its fp64 reference.").parse_args(argv)
     from tigon.check import main
 
-    return main()
+    return main(argv)
 
 
 def _bench(argv: list[str]) -> int:

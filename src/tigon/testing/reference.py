@@ -255,6 +255,26 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, gate_fn, gate_lora=None, u
     return project(h, down_weight, down_lora)
 
 
+def swiglu_linear(gate, up, weight, bias=None):
+    """The gate and down projection of Llama's MLP: ``linear(silu(gate) · up, weight, bias)``."""
+    return F.linear(swiglu(gate, up), weight, bias)
+
+
+def geglu_linear(gate, up, weight, bias=None):
+    """:func:`swiglu_linear` with Gemma's ``gelu_tanh`` gate."""
+    return F.linear(geglu(gate, up), weight, bias)
+
+
+def swiglu_mlp(x, gate_weight, up_weight, down_weight, gate_lora=None, up_lora=None, down_lora=None):
+    """Llama's MLP: :func:`gated_mlp` with the SwiGLU gate."""
+    return gated_mlp(x, gate_weight, up_weight, down_weight, swiglu, gate_lora, up_lora, down_lora)
+
+
+def geglu_mlp(x, gate_weight, up_weight, down_weight, gate_lora=None, up_lora=None, down_lora=None):
+    """Gemma's MLP: :func:`gated_mlp` with the GeGLU gate."""
+    return gated_mlp(x, gate_weight, up_weight, down_weight, geglu, gate_lora, up_lora, down_lora)
+
+
 def cross_entropy(
     logits,
     target,
