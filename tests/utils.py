@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 
@@ -90,7 +91,7 @@ def hugging_face_state():
     (and ``lora.Linear4bit.forward`` with bitsandbytes)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    from tigon.transformers import FAMILIES
+    from tigon.transformers import FAMILIES, patching
 
     state = []
     for family in FAMILIES.values():
@@ -107,6 +108,9 @@ def hugging_face_state():
         # PEFT's own forward, even if a test outside this fixture's reach patched it before.
         forward = vars(layer)["forward"]
         state.append((None, {}, layer, {"forward": getattr(forward, "tigon_wraps", forward)}))
+    # tigon's own record of what it patched, which goes with the modules' state.
+    records = {name: copy.deepcopy(vars(patching)[name]) for name in ("_MODULE_PATCHES", "_ORIGINAL_ROPES")}
+    state.append((patching, records, None, {}))
     return state
 
 
@@ -124,8 +128,14 @@ def hugging_face_as(state):
 
 def restore_hugging_face(state) -> None:
     """Put back the modules and head classes as :func:`hugging_face_state` saw them."""
+    from tigon.transformers import patching
+
     for module, names, head, methods in state:
-        if module is not None:
+        if module is patching:
+            for name, record in names.items():
+                vars(patching)[name].clear()
+                vars(patching)[name].update(record)
+        elif module is not None:
             vars(module).update(names)
         for name, method in methods.items():
             if method is not None:

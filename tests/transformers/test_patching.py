@@ -1,6 +1,7 @@
 """The patching API: its three levels, what it keeps, and its errors."""
 
 import dataclasses
+import gc
 import importlib
 from copy import deepcopy
 
@@ -17,6 +18,8 @@ from tigon.transformers import (
     apply_tigon_to_llama,
     layers,
     patching,
+    unapply_tigon,
+    unapply_tigon_to_llama,
 )
 from tiny_models import tiny_batch, tiny_config, tiny_model
 from utils import DEVICE, relative_error
@@ -134,8 +137,35 @@ def test_unsupported_model_type_lists_the_supported():
 
 
 def test_unknown_flag_is_refused():
-    with pytest.raises(TypeError, match="the flags are rope, rms_norm, .*; got sdpa"):
+    with pytest.raises(TypeError, match="no flag 'sdpa'; the flags are rope, rms_norm, "):
         apply_tigon(tiny_model("gemma"), sdpa=False)
+
+
+def test_misspelt_flag_names_the_closest(tmp_path):
+    with pytest.raises(TypeError, match="no flag 'swigluu'; did you mean 'swiglu'"):
+        apply_tigon(tiny_model("llama"), swigluu=False)
+    tiny_model("llama").save_pretrained(tmp_path)
+    # Refused before transformers sees it (it would take it for a config attribute).
+    with pytest.raises(TypeError, match="'swigluu' is not a tigon flag; did you mean 'swiglu'"):
+        AutoTigonForCausalLM.from_pretrained(tmp_path, swigluu=False)
+
+
+@pytest.mark.parametrize("value", ["yes", 0, None])
+def test_flag_that_is_not_a_bool_is_refused(value):
+    with pytest.raises(TypeError, match=f"apply_tigon: rope must be True or False, got {value!r}"):
+        apply_tigon(tiny_model("llama"), rope=value)
+    with pytest.raises(TypeError, match="apply_tigon_to_llama: swiglu must be True or False"):
+        apply_tigon_to_llama(swiglu=value)
+
+
+def test_patcher_flags_are_keyword_only():
+    with pytest.raises(TypeError, match="apply_tigon_to_llama takes keyword arguments only"):
+        apply_tigon_to_llama(False)
+
+
+def test_what_is_not_a_hugging_face_model_is_refused():
+    with pytest.raises(TypeError, match="must be a Hugging Face PreTrainedModel .*got torch.nn.modules.linear.Linear"):
+        apply_tigon(torch.nn.Linear(3, 3))
 
 
 def test_model_of_another_family_is_refused():
@@ -165,3 +195,90 @@ def test_renamed_class_is_named_in_the_error():
     flags = dict.fromkeys(patching.LAYER_FLAGS, True)
     with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(norm class\\).*Pass rms_norm=False"):
         patching.apply_family(renamed, cross_entropy=False, fused_linear_cross_entropy=True, lora=True, **flags)
+
+
+def model_state(model):
+    """Each module's class and instance attributes (hooks included), and the model's parameters."""
+    modules = {name: (type(m), set(vars(m)), dict(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    return modules, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_same_state(model, state):
+    modules, parameters = model_state(model)
+    assert modules == state[0]
+    assert parameters.keys() == state[1].keys()
+    assert all(torch.equal(p, state[1][name]) for name, p in parameters.items())
+
+
+def test_unapply_restores_the_model():
+    gc.collect()  # patched models of earlier tests, held only by reference cycles, need tigon's rope
+    truth = first_loss(tiny_model("llama"))
+    model = tiny_model("llama")
+    before = model_state(model)
+    rope = llama_module.apply_rotary_pos_emb
+    apply_tigon(model)
+    assert llama_module.apply_rotary_pos_emb is not rope
+    assert unapply_tigon(model) is model
+    assert_same_state(model, before)
+    assert llama_module.apply_rotary_pos_emb is rope
+    assert torch.equal(first_loss(model), truth)
+
+
+def test_shared_patches_go_back_with_the_last_model_needing_them():
+    gc.collect()
+    rope = llama_module.apply_rotary_pos_emb
+    first, second = apply_tigon(tiny_model("llama")), apply_tigon(tiny_model("llama"))
+    unapply_tigon(first)
+    # The second model still calls the rotary function through its modeling module.
+    assert llama_module.apply_rotary_pos_emb is layers.apply_rotary_pos_emb
+    assert isinstance(second.model.norm, layers.TigonRMSNorm)
+    unapply_tigon(second)
+    assert llama_module.apply_rotary_pos_emb is rope
+
+
+def test_unapply_restores_peft_for_every_model():
+    peft = pytest.importorskip("peft")
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    peft_forward = LoraLinear.forward
+    first = apply_tigon(peft.get_peft_model(tiny_model("llama"), lora))
+    second = apply_tigon(peft.get_peft_model(tiny_model("llama"), lora))
+    assert LoraLinear.forward.tigon_wraps is peft_forward
+    unapply_tigon(first)
+    assert LoraLinear.forward.tigon_wraps is peft_forward
+    unapply_tigon(second)
+    assert LoraLinear.forward is peft_forward
+    assert not any(hasattr(type(m), "tigon_replaces") for m in second.modules())
+
+
+def test_unapply_restores_the_experts_implementation():
+    model = tiny_model("qwen3_moe")
+    implementation = model.config._experts_implementation
+    before = model_state(model)
+    apply_tigon(model)
+    assert model.config._experts_implementation == "tigon"
+    unapply_tigon(model)
+    assert model.config._experts_implementation == implementation
+    assert_same_state(model, before)
+
+
+def test_unapply_of_a_module_patch_restores_the_module():
+    gc.collect()
+    names, head_methods = dict(vars(llama_module)), dict(vars(llama_module.LlamaForCausalLM))
+    truth = first_loss(tiny_model("llama"))
+    apply_tigon_to_llama(lora=False)
+    built = tiny_model("llama")
+    assert isinstance(built.model.norm, layers.TigonRMSNorm)
+    unapply_tigon_to_llama()
+    assert {k: v for k, v in vars(llama_module).items() if k != "apply_rotary_pos_emb"} == {
+        k: v for k, v in names.items() if k != "apply_rotary_pos_emb"
+    }
+    assert dict(vars(llama_module.LlamaForCausalLM)) == head_methods
+    # The model built meanwhile keeps tigon until it is unapplied, then is Hugging Face's again.
+    assert isinstance(built.model.norm, layers.TigonRMSNorm)
+    unapply_tigon(built)
+    assert vars(llama_module) == names
+    assert type(built.model.norm) is llama_module.LlamaRMSNorm
+    assert torch.equal(first_loss(built), truth)
+    assert torch.equal(first_loss(tiny_model("llama")), truth)

@@ -9,6 +9,9 @@ Three levels, as fine as you need::
     apply_tigon_to_llama()                    # before building: every Llama built afterwards
     model = LlamaForCausalLM(config)
 
+    unapply_tigon(model)                      # each has its inverse
+    unapply_tigon_to_llama()
+
 Each family is a row of :data:`tigon.transformers.families.FAMILIES`; the loss path shared by all
 causal LMs is :mod:`tigon.transformers.causal_lm`. Importing this package registers tigon's fused
 MoE experts as transformers' ``experts_implementation="tigon"`` (:mod:`tigon.transformers.moe`),
@@ -19,19 +22,59 @@ transformers 5.17.
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+import difflib
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from tigon.transformers import moe
 from tigon.transformers.checkpointing import CheckpointingPlan, fit_checkpointing, measure_step_peak, set_checkpointing
 from tigon.transformers.families import FAMILIES, Experts, Family, Mlp, Norm, Rope
 from tigon.transformers.kernel_hub import export_kernels, kernel_config
-from tigon.transformers.patching import LAYER_FLAGS, base_model, family_patcher
+from tigon.transformers.patching import (
+    FLAG_DEFAULTS,
+    LAYER_FLAGS,
+    base_model,
+    check_flags,
+    family_patcher,
+    family_unpatcher,
+    unapply_tigon,
+)
 
 moe.register()
 
-# apply_tigon_to_llama, apply_tigon_to_qwen2_vl, ...: one patcher per row of the table.
+# apply_tigon_to_llama, apply_tigon_to_qwen2_vl, ... and their inverses unapply_tigon_to_llama, ...:
+# one of each per row of the table.
 PATCHERS = {model_type: family_patcher(model_type) for model_type in FAMILIES}
-globals().update({patcher.__name__: patcher for patcher in PATCHERS.values()})
+UNPATCHERS = {model_type: family_unpatcher(model_type) for model_type in FAMILIES}
+globals().update({function.__name__: function for function in (*PATCHERS.values(), *UNPATCHERS.values())})
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+class FamilyPatcher(Protocol):
+    """The type of ``apply_tigon_to_<family>`` (and of ``unapply_tigon_to_<family>``, called with
+    no arguments), made at import from the families table."""
+
+    @overload
+    def __call__(
+        self, *, rope: bool = ..., rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ...,
+        geglu: bool = ..., relu2: bool = ..., experts: bool = ..., cross_entropy: bool = ...,
+        fused_linear_cross_entropy: bool = ..., lora: bool = ..., model: None = None,
+    ) -> None: ...
+
+    @overload
+    def __call__(
+        self, *, rope: bool = ..., rms_norm: bool = ..., layer_norm: bool = ..., swiglu: bool = ...,
+        geglu: bool = ..., relu2: bool = ..., experts: bool = ..., cross_entropy: bool = ...,
+        fused_linear_cross_entropy: bool = ..., lora: bool = ..., model: ModelT,
+    ) -> ModelT: ...
+
+
+if TYPE_CHECKING:
+
+    def __getattr__(name: str) -> FamilyPatcher: ...
 
 __all__ = [
     "AutoTigonForCausalLM",
@@ -44,41 +87,63 @@ __all__ = [
     "Norm",
     "PATCHERS",
     "Rope",
+    "UNPATCHERS",
     "apply_tigon",
     "export_kernels",
     "fit_checkpointing",
     "kernel_config",
     "measure_step_peak",
     "set_checkpointing",
+    "unapply_tigon",
     *(patcher.__name__ for patcher in PATCHERS.values()),
+    *(unpatcher.__name__ for unpatcher in UNPATCHERS.values()),
 ]
 # Every flag a patcher takes; the auto classes tell them from from_pretrained's arguments.
-FLAGS = (*LAYER_FLAGS, "cross_entropy", "fused_linear_cross_entropy", "lora")
+FLAGS = tuple(FLAG_DEFAULTS)
 
 
-def apply_tigon(model, **flags):
+def apply_tigon(model: ModelT, **flags: bool) -> ModelT:
     """Patch ``model`` in place with its family's patcher, chosen by ``model.config.model_type``.
 
-    ``flags`` are the patcher's (e.g. ``swiglu=False``, ``rope=False``, ``experts=False``).
-    Returns ``model``. Raises ``ValueError`` for a family tigon does not support.
+    ``model`` is a Hugging Face ``PreTrainedModel`` or a PEFT model wrapping one. ``flags`` are
+    the patcher's, each ``True`` or ``False`` (e.g. ``swiglu=False``, ``rope=False``,
+    ``experts=False``; all are listed by :data:`FLAGS`). Returns ``model``;
+    :func:`unapply_tigon` undoes it. Raises ``TypeError`` for a model that is not a Hugging Face
+    model and for an unknown or non-boolean flag, ``ValueError`` for a family tigon does not support.
     """
-    model_type = getattr(getattr(base_model(model), "config", None), "model_type", None)
+    hf_model = base_model(model)
+    if not isinstance(hf_model, PreTrainedModel):
+        raise TypeError(
+            f"apply_tigon: model must be a Hugging Face PreTrainedModel (or a PEFT model wrapping one), "
+            f"got {type(model).__module__}.{type(model).__qualname__}; for single layers use tigon.nn or "
+            "tigon.functional"
+        )
+    model_type = hf_model.config.model_type
     if model_type not in PATCHERS:
         raise ValueError(
-            f"tigon does not support model_type {model_type!r}; supported: {', '.join(sorted(PATCHERS))}"
+            f"apply_tigon: tigon does not support model_type {model_type!r} ({type(hf_model).__name__}); "
+            f"supported: {', '.join(sorted(PATCHERS))}"
         )
-    unknown = sorted(set(flags) - set(FLAGS))
-    if unknown:
-        raise TypeError(f"apply_tigon: the flags are {', '.join(FLAGS)}; got {', '.join(unknown)}")
+    check_flags("apply_tigon", flags)
     return PATCHERS[model_type](model=model, **flags)
 
 
 class _AutoTigon:
-    auto_class = None
+    auto_class: Any = None
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> PreTrainedModel:
         flags = {name: kwargs.pop(name) for name in FLAGS if name in kwargs}
+        check_flags(f"{cls.__name__}.from_pretrained", flags)
+        # Anything else goes to transformers, which would take a misspelt flag for a config
+        # attribute (or fail deep inside): refuse one that is one or two letters from a flag.
+        for name in kwargs:
+            close = difflib.get_close_matches(name, FLAGS, n=1, cutoff=0.8)
+            if close:
+                raise TypeError(
+                    f"{cls.__name__}.from_pretrained: {name!r} is not a tigon flag; did you mean {close[0]!r}? "
+                    f"The flags are {', '.join(FLAGS)}"
+                )
         model = cls.auto_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         return apply_tigon(model, **flags)
 

@@ -140,11 +140,18 @@ def output_embeddings(model, family: Family):
     return head
 
 
-def hook_head_loss(head) -> None:
+def hook_head_loss(head: torch.nn.Module) -> None:
     """Register, once, the pre-hook through which the wrapped forward gets ``head``'s loss."""
     if not hasattr(head, "tigon_loss_request"):
         head.tigon_loss_request = None
-        head.register_forward_pre_hook(_loss_when_asked)
+        head.tigon_loss_hook = head.register_forward_pre_hook(_loss_when_asked)
+
+
+def unhook_head_loss(head: torch.nn.Module) -> None:
+    """Remove what :func:`hook_head_loss` added to ``head`` (nothing if it added nothing)."""
+    if hasattr(head, "tigon_loss_hook"):
+        head.tigon_loss_hook.remove()
+        del head.tigon_loss_hook, head.tigon_loss_request
 
 
 def _loss_when_asked(head, args):

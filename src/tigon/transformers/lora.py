@@ -162,11 +162,11 @@ def _patched_peft_linear():
     return linear if hasattr(getattr(linear, "forward", None), "tigon_wraps") else None
 
 
-def patch_peft() -> None:
-    """Route PEFT's ``lora.Linear.forward`` (and, with bitsandbytes, ``lora.Linear4bit.forward``)
-    through tigon (idempotent; nothing without PEFT)."""
+def _peft_patches() -> list:
+    """``(PEFT layer class, tigon's wrapper of its forward)`` for each LoRA layer class tigon
+    routes; empty without PEFT."""
     if importlib.util.find_spec("peft") is None:
-        return
+        return []
     from peft.tuners.lora.layer import Linear
 
     patches = [(Linear, lora_linear_forward)]
@@ -174,6 +174,20 @@ def patch_peft() -> None:
         from peft.tuners.lora.bnb import Linear4bit
 
         patches.append((Linear4bit, lora_4bit_forward))
-    for layer_class, wrap in patches:
+    return patches
+
+
+def patch_peft() -> None:
+    """Route PEFT's ``lora.Linear.forward`` (and, with bitsandbytes, ``lora.Linear4bit.forward``)
+    through tigon (idempotent; nothing without PEFT)."""
+    for layer_class, wrap in _peft_patches():
         if not hasattr(layer_class.forward, "tigon_wraps"):
             layer_class.forward = wrap(layer_class.forward)
+
+
+def unpatch_peft() -> None:
+    """Give PEFT's LoRA layer classes back their own ``forward`` (idempotent)."""
+    for layer_class, _ in _peft_patches():
+        forward = vars(layer_class).get("forward")
+        if hasattr(forward, "tigon_wraps"):
+            layer_class.forward = forward.tigon_wraps

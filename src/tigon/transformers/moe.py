@@ -131,4 +131,13 @@ def use_tigon_experts(experts) -> None:
     """Make ``experts`` (checked by :func:`experts_kernel`) run on tigon: its config's
     ``experts_implementation``, which transformers reads at every forward, becomes ``"tigon"``
     (with its sub-configs', as transformers' setter does)."""
+    if not hasattr(experts, "tigon_replaced_implementation"):
+        experts.tigon_replaced_implementation = experts.config._experts_implementation
     experts.config._experts_implementation = IMPLEMENTATION
+
+
+def restore_experts(experts) -> None:
+    """Undo :func:`use_tigon_experts`: ``experts``' config gets back the implementation it had."""
+    if hasattr(experts, "tigon_replaced_implementation"):
+        experts.config._experts_implementation = experts.tigon_replaced_implementation
+        del experts.tigon_replaced_implementation

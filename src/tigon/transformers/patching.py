@@ -19,27 +19,70 @@ Either way, each mixture-of-experts experts module that a row names is checked a
 ``experts_implementation`` becomes ``"tigon"`` (:mod:`tigon.transformers.moe`): on a built model
 at once, and on each model built after a module is patched by its head's ``post_init``.
 
-Patches accumulate and are idempotent; there is no unpatching.
+Patches accumulate and are idempotent, and each has its inverse: :func:`unapply_tigon` gives a
+model back its own classes, forward, hooks and experts implementation; ``unapply_tigon_to_<family>()``
+gives a modeling module back its names and its head class its methods. What is shared by the whole
+process (a modeling module's rotary function, PEFT's ``lora.Linear.forward``) goes back once no
+patched model still alive and no patched module needs it.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
+import sys
 import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import transformers
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from tigon.transformers import layers, moe
-from tigon.transformers.causal_lm import hook_head_loss, output_embeddings, wrap_causal_lm_forward
+from tigon.transformers.causal_lm import hook_head_loss, output_embeddings, unhook_head_loss, wrap_causal_lm_forward
 from tigon.transformers.families import FAMILIES, Family, Norm
-from tigon.transformers.lora import patch_peft
+from tigon.transformers.lora import patch_peft, unpatch_peft
 
 _DERIVED: dict[tuple[type, type], type] = {}
 _NORM_MIXINS = {"rms": layers.TigonRMSNorm, "rms_gated": layers.TigonGatedRMSNorm, "layer": layers.TigonLayerNorm}
 # The layer flags every patcher takes; a sub-row is applied when its flag is true.
 LAYER_FLAGS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu", "relu2", "experts")
+# Every flag a patcher takes, with its default.
+FLAG_DEFAULTS = {
+    **dict.fromkeys(LAYER_FLAGS, True), "cross_entropy": False, "fused_linear_cross_entropy": True, "lora": True,
+}
+
+
+@dataclass
+class ModelPatch:
+    """What a patched model needs of the process: the modeling modules whose rotary function it
+    calls through tigon, and whether PEFT's LoRA layers go through tigon for it."""
+
+    rope_modules: set[str] = field(default_factory=set)
+    lora: bool = False
+
+
+@dataclass
+class ModulePatch:
+    """What ``apply_tigon_to_<family>()`` replaced: the modeling module's names and the head class's
+    methods as they were (``None``: the head class had none of its own), and what it needs of the
+    process, as :class:`ModelPatch`."""
+
+    names: dict[str, Any] = field(default_factory=dict)
+    head_methods: dict[str, Callable | None] = field(default_factory=dict)
+    needs: ModelPatch = field(default_factory=ModelPatch)
+
+
+# Patched models alive (each holds its ModelPatch as ``tigon_patch``), patched modules by model
+# type, and the rotary functions tigon replaced, by (module name, function name).
+_PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
+_MODULE_PATCHES: dict[str, ModulePatch] = {}
+_ORIGINAL_ROPES: dict[tuple[str, str], Callable] = {}
 
 
 def tigon_class(original: type, mixin: type, **settings) -> type:
@@ -111,6 +154,35 @@ def _experts_classes(family: Family, module, flags: dict[str, bool]) -> list[typ
     return [getattr(experts_class, "tigon_replaces", experts_class) for experts_class in found]
 
 
+def _replace_rope(module, name: str, function: Callable) -> None:
+    """``module.<name> = function``, keeping Hugging Face's function the first time."""
+    current = getattr(module, name)
+    if current not in layers.ROPE_FORMS.values():
+        _ORIGINAL_ROPES.setdefault((module.__name__, name), current)
+    setattr(module, name, function)
+
+
+def _release_shared() -> None:
+    """Put back each rotary function and PEFT's LoRA forward that no patched model alive and no
+    patched module needs any more."""
+    needs = [patch.needs for patch in _MODULE_PATCHES.values()]
+    needs += [model.tigon_patch for model in _PATCHED_MODELS]
+    in_use = set().union(*(need.rope_modules for need in needs))
+    for (module_name, name), original in list(_ORIGINAL_ROPES.items()):
+        if module_name not in in_use:
+            setattr(sys.modules[module_name], name, original)
+            del _ORIGINAL_ROPES[module_name, name]
+    if not any(need.lora for need in needs):
+        unpatch_peft()
+
+
+def _register_model(model, rope_modules: set[str], lora: bool) -> None:
+    patch = vars(model).setdefault("tigon_patch", ModelPatch())
+    patch.rope_modules |= rope_modules
+    patch.lora |= lora
+    _PATCHED_MODELS.add(model)
+
+
 def base_model(model):
     """The Hugging Face model inside ``model`` (itself, or the model a PEFT wrapper adapts)."""
     while hasattr(model, "get_base_model"):
@@ -129,11 +201,12 @@ def families_in(model, family: Family) -> list[Family]:
     return list(found.values())
 
 
-def patch_layers(model, family: Family, flags: dict[str, bool]) -> None:
+def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
     """Patch in place the layers of ``model`` that ``family`` and its sub-models' rows name: each
     norm and MLP instance changes class (``module.__class__``), keeping its parameters, device and
     dtype; each rotary function is replaced in its modeling module; each experts module runs on
-    tigon's experts kernel (its config's ``experts_implementation``)."""
+    tigon's experts kernel (its config's ``experts_implementation``). Returns the names of the
+    modeling modules whose rotary function now is tigon's."""
     tigon_of = {}
     rope_patches = []
     experts_classes = []
@@ -153,10 +226,26 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> None:
     for layer, tigon in changes:
         layer.__class__ = tigon
     for module, name, function in rope_patches:
-        setattr(module, name, function)
+        _replace_rope(module, name, function)
     for layer in experts:
         moe.use_tigon_experts(layer)
     layers.follow_gradient_checkpointing(model)
+    return {module.__name__ for module, _, _ in rope_patches}
+
+
+def unpatch_layers(model: nn.Module) -> None:
+    """Give back to each module of ``model`` what :func:`patch_layers` and the loss path changed:
+    its Hugging Face class (with the checkpointing attributes tigon gave a patched MLP), its
+    experts implementation, and its head without the fused loss's hook."""
+    for layer in model.modules():
+        original = getattr(type(layer), "tigon_replaces", None)
+        if original is not None:
+            layer.__class__ = original
+            if not isinstance(layer, GradientCheckpointingLayer):
+                vars(layer).pop("gradient_checkpointing", None)
+                vars(layer).pop("_gradient_checkpointing_func", None)
+        moe.restore_experts(layer)
+        unhook_head_loss(layer)
 
 
 def apply_family(
@@ -176,15 +265,15 @@ def apply_family(
     rope_patches = _rope_patches(family, module, flags)
     _experts_classes(family, module, flags)  # a renamed one fails now, not when a model is built
     head = _lookup(module, family.head, "head class", "fused_linear_cross_entropy") if family.head else None
-    if lora:
-        patch_peft()
 
     if model is not None:
         hf_model = base_model(model)
         model_type = getattr(getattr(hf_model, "config", None), "model_type", None)
         if model_type != family.model_type:
             raise ValueError(f"tigon: model has model_type {model_type!r}, not {family.model_type!r}")
-        patch_layers(hf_model, family, flags)
+        if lora:
+            patch_peft()
+        _register_model(hf_model, patch_layers(hf_model, family, flags), lora)
         if loss is not None and head is not None and isinstance(hf_model, head):
             forward = wrap_causal_lm_forward(type(hf_model).forward, family, loss)
             hf_model.forward = types.MethodType(forward, hf_model)
@@ -192,16 +281,65 @@ def apply_family(
                 hook_head_loss(output_embeddings(hf_model, family))
         return model
 
-    for row, _, tigon in class_patches:
+    if lora:
+        patch_peft()
+    patch = _MODULE_PATCHES.setdefault(family.model_type, ModulePatch())
+    patch.needs.lora |= lora
+    for row, original, tigon in class_patches:
         if "." not in row.name:
+            patch.names.setdefault(row.name, original)
             setattr(module, row.name, tigon)
     for name, function in rope_patches:
-        setattr(module, name, function)
+        _replace_rope(module, name, function)
+        patch.needs.rope_modules.add(module.__name__)
     if head is not None:
+        for name in ("forward", "post_init"):
+            patch.head_methods.setdefault(name, vars(head).get(name))
         if loss is not None:
             head.forward = wrap_causal_lm_forward(head.forward, family, loss)
         # Sub-models of other families and layers of other libraries are patched once built.
         head.post_init = patch_after_init(head.post_init, family, flags, loss)
+    return model
+
+
+def revert_family(family: Family) -> None:
+    """Undo ``apply_tigon_to_<family>()`` (``model=None``): the modeling module's names and the
+    head class's methods as they were before it. Models built meanwhile stay patched (undo each
+    with :func:`unapply_tigon`)."""
+    patch = _MODULE_PATCHES.pop(family.model_type, None)
+    if patch is None:
+        return
+    module = _modeling_module(family)
+    for name, original in patch.names.items():
+        setattr(module, name, original)
+    head = getattr(module, family.head) if family.head else None
+    for name, method in patch.head_methods.items():
+        if method is not None:
+            setattr(head, name, method)
+        elif name in vars(head):
+            delattr(head, name)
+    _release_shared()
+
+
+def unapply_tigon(model: nn.Module) -> nn.Module:
+    """Undo every tigon patch of ``model`` (a Hugging Face model, or a PEFT model wrapping one), in
+    place, and return it: its layers get back their Hugging Face classes, its forward and head
+    their own, its experts the implementation they had. A rotary function or PEFT's LoRA forward,
+    shared by the process, goes back once no other patched model alive and no patched modeling
+    module needs it. A model built after ``apply_tigon_to_<family>()`` gets its class's forward as
+    Hugging Face wrote it. Weights, gradients and optimizer state are untouched; a model tigon
+    never patched is returned unchanged."""
+    hf_model = base_model(model)
+    unpatch_layers(hf_model)
+    forward = vars(hf_model).get("forward")
+    if hasattr(getattr(forward, "__func__", None), "tigon_wraps"):
+        del hf_model.forward
+    class_forward = getattr(type(hf_model), "forward", None)
+    if hasattr(class_forward, "tigon_wraps"):
+        hf_model.forward = types.MethodType(class_forward.tigon_wraps, hf_model)
+    vars(hf_model).pop("tigon_patch", None)
+    _PATCHED_MODELS.discard(hf_model)
+    _release_shared()
     return model
 
 
@@ -213,7 +351,7 @@ def patch_after_init(post_init, family: Family, flags: dict[str, bool], loss: st
     @functools.wraps(post_init)
     def post_init_then_patch(self):
         post_init(self)
-        patch_layers(self, family, flags)
+        _register_model(self, patch_layers(self, family, flags), lora=False)
         if loss == "fused_linear_cross_entropy":
             hook_head_loss(output_embeddings(self, family))
 
@@ -221,29 +359,43 @@ def patch_after_init(post_init, family: Family, flags: dict[str, bool], loss: st
     return post_init_then_patch
 
 
+def check_flags(caller: str, flags: dict[str, Any]) -> None:
+    """Raise unless every key of ``flags`` is a patcher flag (naming the closest one for a typo)
+    and every value a ``bool``."""
+    for name, value in flags.items():
+        if name not in FLAG_DEFAULTS:
+            close = difflib.get_close_matches(name, FLAG_DEFAULTS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TypeError(f"{caller}: no flag {name!r}; {hint}the flags are {', '.join(FLAG_DEFAULTS)}")
+        if not isinstance(value, bool):
+            raise TypeError(f"{caller}: {name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def family_patcher(model_type: str):
-    """``apply_tigon_to_<family>(rope=True, rms_norm=True, layer_norm=True, swiglu=True,
+    """``apply_tigon_to_<family>(*, rope=True, rms_norm=True, layer_norm=True, swiglu=True,
     geglu=True, relu2=True, experts=True, cross_entropy=False, fused_linear_cross_entropy=True,
-    lora=True, model=None)`` for one row of the table."""
+    lora=True, model=None)`` for one row of the table; its flags are keyword-only booleans."""
     family = FAMILIES[model_type]
-    defaults = {
-        **dict.fromkeys(LAYER_FLAGS, True), "cross_entropy": False, "fused_linear_cross_entropy": True, "lora": True,
-    }
+    name = f"apply_tigon_to_{model_type}"
     signature = inspect.Signature(
         [
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-            for name, default in (*defaults.items(), ("model", None))
+            inspect.Parameter(flag, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=bool)
+            for flag, default in FLAG_DEFAULTS.items()
         ]
+        + [inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="nn.Module | None")],
+        return_annotation="nn.Module | None",
     )
 
     def patch(*args, **kwargs):
-        flags = signature.bind(*args, **kwargs)
-        flags.apply_defaults()
-        return apply_family(family, **flags.arguments)
+        if args:
+            raise TypeError(f"{name} takes keyword arguments only (e.g. {name}(rope=False, model=model)); got {args!r}")
+        model = kwargs.pop("model", None)
+        check_flags(name, kwargs)
+        return apply_family(family, **{**FLAG_DEFAULTS, **kwargs}, model=model)
 
     what = ", ".join(row.name.rpartition(".")[2] for row in family.sub_rows()) or "no layers of its own"
     patch.__signature__ = signature
-    patch.__name__ = patch.__qualname__ = f"apply_tigon_to_{model_type}"
+    patch.__name__ = patch.__qualname__ = name
     patch.__module__ = "tigon.transformers"
     patch.__doc__ = f"""Use tigon's kernels in {family.head or family.module} and its layers ({what}).
 
@@ -263,5 +415,23 @@ def family_patcher(model_type: str):
             states and lm_head's weight, never building the logits (``logits=None`` is returned).
         lora: PEFT's LoRA layers through tigon's fused LoRA kernels.
         model: a built model to patch in place, or ``None``.
+
+    ``unapply_tigon_to_{model_type}()`` undoes the call without ``model``; ``unapply_tigon(model)``
+    undoes it on a model.
     """
     return patch
+
+
+def family_unpatcher(model_type: str):
+    """``unapply_tigon_to_<family>()``: :func:`revert_family` for one row of the table."""
+    family = FAMILIES[model_type]
+
+    def unpatch() -> None:
+        revert_family(family)
+
+    unpatch.__name__ = unpatch.__qualname__ = f"unapply_tigon_to_{model_type}"
+    unpatch.__module__ = "tigon.transformers"
+    unpatch.__doc__ = f"""Undo ``apply_tigon_to_{model_type}()``: {family.module} gets back its classes and
+    functions, and {family.head or 'its head'} its methods, as they were before it. Models built
+    meanwhile stay patched: undo each with ``unapply_tigon(model)``."""
+    return unpatch
