@@ -471,7 +471,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("ops", nargs="*", metavar="OP",
                         help="names of the cases to run, as the first column prints them (default: every one)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
-                        help="dtypes to run each op in (default: %(default)s)")
+                        help=f"dtypes to run each op in (default: {' '.join(DTYPES)})")
     return parser
 
 

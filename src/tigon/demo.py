@@ -1,17 +1,19 @@
 """``tigon demo``: train a small Llama twice on the bundled corpus, plain Hugging Face and patched
-by tigon, and compare losses, speed and memory.
+by tigon, and compare their losses (and, on a GPU, their speed and memory).
 
 Both runs start from the same random weights and see the same batches in the same order, so
 their per-step losses must agree to within the dtype's rounding; the demo prints the largest
-difference, tokens per second, peak memory (GPU only) and writes a PNG of both loss curves.
-The corpus ships inside the package and is read byte by byte (vocabulary 256): nothing is
-downloaded.
+difference and writes a PNG of both loss curves. On a GPU it also prints each run's tokens per
+second and peak memory; without one the kernels run through Triton's interpreter, whose speed
+says nothing about a GPU's, so it prints none. The corpus ships inside the package and is read
+byte by byte (vocabulary 256): nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import textwrap
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,6 +21,11 @@ from pathlib import Path
 
 import torch
 
+DESCRIPTION = (
+    "Train a small Llama twice on the corpus bundled with tigon, plain Hugging Face and patched by tigon, from the "
+    "same weights on the same batches; print both runs' losses and their largest difference (and, on a GPU, tokens/s "
+    "and peak memory) and write demo.png."
+)
 SIZES = {
     # name: (hidden, layers, heads, kv heads, intermediate)
     "tiny": (64, 2, 4, 2, 160),
@@ -91,35 +98,58 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     has_memory = all(r.peak_memory_bytes is not None for r in results)
-    fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(11 if has_memory else 6, 4), squeeze=False)
+    width = 11 if has_memory else 6
+    # Constrained layout makes room for the title; wrapped to the figure, it is never clipped.
+    fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(width, 4), squeeze=False, layout="constrained")
     for result, style in zip(results, ("-", "--")):
         axes[0, 0].plot(range(1, len(result.losses) + 1), result.losses, style, label=result.name)
     axes[0, 0].set(xlabel="step", ylabel="loss", title="training loss")
+    axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0, 0].legend()
     if has_memory:
         names = [r.name for r in results]
         axes[0, 1].bar(names, [r.peak_memory_bytes / 2**30 for r in results], color=["tab:gray", "tab:orange"])
         axes[0, 1].set(ylabel="GiB", title="peak GPU memory")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig.suptitle(textwrap.fill(title, width=9 * width))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def parser(on_gpu: bool) -> argparse.ArgumentParser:
+    """The options; their defaults are for the machine: a real model with a GPU, a tiny one without."""
+
+    def machine_default(gpu, cpu, what="") -> tuple[object, str]:
+        return (gpu if on_gpu else cpu), f"(default: {gpu}{what} with a GPU, {cpu}{what} without)"
+
+    parser = argparse.ArgumentParser(prog="tigon demo", description=DESCRIPTION)
+    sizes = "; ".join(
+        f"{name}: hidden {hidden}, {layers} layers, {heads} heads ({kv_heads} kv), intermediate {inter}"
+        for name, (hidden, layers, heads, kv_heads, inter) in SIZES.items()
+    )
+    size, default = machine_default("base", "tiny")
+    parser.add_argument("--size", choices=list(SIZES), default=size, help=f"the Llama's size: {sizes} {default}")
+    steps, default = machine_default(30, 8)
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps of each run {default}")
+    seq_len, default = machine_default(1024, 32, " bytes")
+    parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens (bytes of the corpus) per sequence {default}")
+    batch, default = machine_default(8, 2)
+    parser.add_argument("--batch", type=int, default=batch, help=f"sequences per step {default}")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default: %(default)g)")
+    dtype, default = machine_default("bf16", "fp32")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default=dtype, help=f"the models' dtype {default}")
+    parser.add_argument("--out", type=Path, default=Path("tigon-out"),
+                        help="folder for demo.png, created if missing (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initial weights and of the batches (default: %(default)s)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tigon demo", description=__doc__.splitlines()[0])
     on_gpu = torch.cuda.is_available()
-    parser.add_argument("--size", choices=sorted(SIZES), default="base" if on_gpu else "tiny")
-    parser.add_argument("--steps", type=int, default=30 if on_gpu else 8)
-    parser.add_argument("--seq-len", type=int, default=1024 if on_gpu else 32)
-    parser.add_argument("--batch", type=int, default=8 if on_gpu else 2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16" if on_gpu else "fp32")
-    parser.add_argument("--out", type=Path, default=Path("tigon-out"), help="folder for demo.png (default: tigon-out)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parser(on_gpu).parse_args(argv)
 
     from tqdm import tqdm
 
@@ -127,9 +157,12 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    where = torch.cuda.get_device_name() if on_gpu else "CPU (Triton interpreter: correctness only, no speed claims)"
+    where = torch.cuda.get_device_name() if on_gpu else "CPU, through Triton's interpreter"
     print(f"tigon demo: Llama '{args.size}' {SIZES[args.size]}, {args.steps} steps of {args.batch}×{args.seq_len} "
           f"bytes, {args.dtype}, on {where}")
+    if not on_gpu:
+        print("Without a GPU the kernels run through Triton's interpreter: this compares the losses only; "
+              "speed is not measured.")
     corpus = load_corpus()
     batches = make_batches(corpus, args.steps, args.batch, args.seq_len, args.seed)
     torch.manual_seed(args.seed)
@@ -142,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         train("Hugging Face + tigon", patched, batches, args.lr, device, tqdm),
     ]
     max_diff = max(abs(a - b) for a, b in zip(results[0].losses, results[1].losses))
-    print(f"{'run':<24}{'first loss':>12}{'last loss':>12}{'tokens/s':>12}{'peak memory':>14}")
+    speed_columns = f"{'tokens/s':>12}{'peak memory':>14}" if on_gpu else ""
+    print(f"{'run':<24}{'first loss':>12}{'last loss':>12}{speed_columns}")
     for r in results:
-        memory = f"{r.peak_memory_bytes / 2**30:.2f} GiB" if r.peak_memory_bytes is not None else "n/a (CPU)"
-        print(f"{r.name:<24}{r.losses[0]:>12.4f}{r.losses[-1]:>12.4f}{r.tokens_per_second:>12.0f}{memory:>14}")
+        speed = f"{r.tokens_per_second:>12.0f}{r.peak_memory_bytes / 2**30:>10.2f} GiB" if on_gpu else ""
+        print(f"{r.name:<24}{r.losses[0]:>12.4f}{r.losses[-1]:>12.4f}{speed}")
     print(f"largest per-step loss difference: {max_diff:.2e}")
     if on_gpu:
         speedup = results[1].tokens_per_second / results[0].tokens_per_second
@@ -153,6 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tigon: {speedup:.2f}x tokens/s, {memory_ratio:.0%} of the peak memory")
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "demo.png"
-    plot(results, png, f"Llama '{args.size}', {args.dtype}, {where}")
+    plot(results, png, f"tigon demo: Llama '{args.size}', {args.dtype}, {args.steps} steps on {where}")
     print(f"wrote {png}")
     return 0
