@@ -338,6 +338,28 @@ def test_op_forward_and_backward_replay_as_eager(name, dtype):
             torch.testing.assert_close(replayed, eager, **REPLAY_TOLERANCE[dtype], msg=f"{name}, seed {seed}: {what}")
 
 
+@requires_cuda
+@pytest.mark.parametrize("name", ["cross_entropy-mean", "cross_entropy-mean-inplace", "fused_linear_cross_entropy-mean"])
+def test_mean_over_no_target_replays_as_nan(name):
+    """A replay whose targets are all ignored: the mean's 0 / 0 is taken on the device, NaN as
+    PyTorch's, with zero gradients, though the graph was captured with counted targets."""
+    case = OP_CASES[name]
+
+    def step(*arguments):
+        out = case.forward(*arguments)
+        return (out.detach(), *torch.autograd.grad(out, [t for t in arguments if t.requires_grad]))
+
+    static_inputs = case.inputs(0, torch.float32)
+    graph, static_outputs = warm_up_and_capture(step, static_inputs, [case.inputs(0, torch.float32)] * 3)
+    replay_inputs = case.inputs(1, torch.float32)
+    replay_inputs[-2].fill_(IGNORE_INDEX)
+    copy_into(static_inputs, replay_inputs)
+    graph.replay()
+    loss, *grads = static_outputs
+    assert loss.isnan()
+    assert all(not grad.any() for grad in grads)
+
+
 # --- A patched Llama's whole training step ---
 
 

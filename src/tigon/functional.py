@@ -672,8 +672,8 @@ def cross_entropy(
 
     (``ε = label_smoothing``, as ``torch.nn.functional.cross_entropy``; the last term is the
     z-loss). Tokens whose target is ``ignore_index`` contribute zero loss and zero gradient;
-    ``"mean"`` divides by the number of the others (and returns 0 when there are none, where
-    PyTorch returns NaN).
+    ``"mean"`` divides by the number of the others, and is NaN when there are none (every target
+    ignored, or no tokens), with zero gradients, as ``torch.nn.functional.cross_entropy``.
 
     Args:
         logits: ``[..., V]`` fp32/bf16/fp16, ``V`` up to 262144; ``N·V`` may exceed 2³¹.

@@ -171,17 +171,44 @@ def test_ignore_index_inside_the_vocabulary(reduction):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("inplace", [False, True])
-def test_all_ignored_batch_gives_zero_loss_and_gradient(reduction, inplace):
-    # PyTorch's mean is NaN here (0 / 0); tigon's is 0, with a zero gradient.
+def test_all_ignored_batch_matches_pytorch(reduction, inplace):
+    # PyTorch's mean over no target is NaN (0 / 0), with a zero gradient; its sum is 0.
     shape = SHAPES[1]
     logits = randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+    (logits64,) = leaf_copies(logits)
     target = torch.full(shape[:-1], -100, device=DEVICE)
     loss, z_loss = tf.cross_entropy(
         logits, target, reduction=reduction, lse_square_scale=1e-3, return_z_loss=True, inplace_backward=inplace,
     )
-    assert not loss.any() and not z_loss.any()
+    truth = torch.nn.functional.cross_entropy(logits64, target, reduction=reduction)
+    assert torch.equal(loss.isnan(), truth.isnan()) and loss.isnan().all() == (reduction == "mean")
+    assert torch.equal(z_loss.isnan(), truth.isnan()) and not loss.nan_to_num().any() and not z_loss.nan_to_num().any()
     loss.sum().backward()
-    assert logits.grad.dtype == torch.bfloat16 and not logits.grad.any()
+    truth.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and not logits.grad.any() and not logits64.grad.any()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_all_ignored_sum_over_zero_items_has_zero_gradient(inplace):
+    # transformers' loss with num_items_in_batch = 0: sum / 0 sends an infinite grad_output, and
+    # PyTorch's gradient of the ignored rows stays 0 (not 0 · inf = NaN).
+    shape = SHAPES[1]
+    logits = randn(*shape, requires_grad=True)
+    (logits64,) = leaf_copies(logits)
+    target = torch.full(shape[:-1], -100, device=DEVICE)
+    (tf.cross_entropy(logits, target, reduction="sum", inplace_backward=inplace) / torch.tensor(0)).backward()
+    (torch.nn.functional.cross_entropy(logits64, target, reduction="sum") / torch.tensor(0)).backward()
+    assert not logits64.grad.any() and not logits.grad.any()
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_empty_batch_mean_is_nan(module):
+    logits = randn(0, 50, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    loss = tigon.nn.CrossEntropyLoss()(logits, target) if module else tf.cross_entropy(logits, target)
+    assert loss.isnan() and torch.nn.functional.cross_entropy(logits.detach(), target).isnan()
+    loss.backward()
+    assert logits.grad.shape == logits.shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -153,7 +153,8 @@ def test_pointwise_grad_output_broadcast(name):
 
 @pytest.mark.parametrize("name", ["jsd", "tvd_batchmean", "tvd_mean", "tvd_sum", "tvd_none"])
 def test_all_ignored_rows_give_zero_loss_and_gradients(name):
-    # A plain mean over no rows is NaN; tigon's is 0, with zero gradients.
+    # A plain mean over no rows is NaN; TRL's GKD loss clamps its divisor to 1 and gives 0, as
+    # tigon does, with zero gradients.
     labels = torch.full(SHAPE[:-1], -100, device=DEVICE)
     if name == "jsd":
         input, target = log_probs(*SHAPE, requires_grad=True), log_probs(*SHAPE, requires_grad=True)
@@ -164,6 +165,17 @@ def test_all_ignored_rows_give_zero_loss_and_gradients(name):
     assert not loss.any()
     loss.sum().backward()
     assert not input.grad.any() and not target.grad.any()
+
+
+@pytest.mark.parametrize("reduction", KL_REDUCTIONS)
+def test_kl_div_of_no_rows_as_pytorch(reduction):
+    # PyTorch's "mean" and "batchmean" over no element are NaN (0 / 0); "sum" is 0.
+    input, target = log_probs(0, 50, requires_grad=True), probs(0, 50)
+    loss = distill.kl_div(input, target, reduction)
+    truth = torch.nn.functional.kl_div(input.detach(), target, reduction=reduction)
+    torch.testing.assert_close(loss, truth, equal_nan=True, rtol=0, atol=0)
+    loss.sum().backward()
+    assert input.grad.shape == input.shape
 
 
 def test_ignore_index_and_strided_int32_labels():

@@ -99,13 +99,20 @@ def test_frozen_tensors_get_no_grad(frozen, reduction):
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_all_ignored_batch_gives_zero_loss_and_gradients(reduction):
+@pytest.mark.parametrize("module", [False, True])
+def test_all_ignored_batch_matches_pytorch(reduction, module):
+    # PyTorch's mean over no target is NaN (0 / 0), with zero gradients; its sum is 0.
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.bfloat16)
     target = torch.full_like(target, -100)
-    loss = tf.fused_linear_cross_entropy(
-        x, weight, target, b, reduction=reduction, chunk_memory_bytes=chunk_memory_bytes,
-    )
-    assert not loss.any()
+    options = dict(reduction=reduction, lse_square_scale=1e-3, return_z_loss=True, chunk_memory_bytes=chunk_memory_bytes)
+    if module:
+        loss, z_loss = tigon.nn.FusedLinearCrossEntropyLoss(**options)(x, weight, target, b)
+    else:
+        loss, z_loss = tf.fused_linear_cross_entropy(x, weight, target, b, **options)
+    truth = torch.nn.functional.cross_entropy(x.detach().double() @ weight.detach().double().T, target,
+                                              reduction=reduction)
+    assert torch.equal(loss.isnan(), truth.isnan()) and loss.isnan().all() == (reduction == "mean")
+    assert torch.equal(z_loss.isnan(), truth.isnan()) and not loss.nan_to_num().any() and not z_loss.nan_to_num().any()
     loss.sum().backward()
     for tensor in (x, weight, b):
         assert not tensor.grad.any()
@@ -116,7 +123,8 @@ def test_empty_batch():
     x = randn(0, weight.shape[1], requires_grad=True)
     loss = tf.fused_linear_cross_entropy(x, weight, torch.zeros(0, dtype=torch.int64, device=DEVICE), b)
     loss.backward()
-    assert loss.item() == 0.0 and x.grad.shape == x.shape
+    # PyTorch's mean over no target: NaN, with zero gradients.
+    assert loss.isnan() and x.grad.shape == x.shape
     assert not weight.grad.any() and not b.grad.any()
 
 
@@ -187,6 +195,20 @@ def test_mean_split_between_matmuls_and_kernel(monkeypatch, dtype):
         monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
     monkeypatch.setattr(fused_linear_ops, "MEAN_SCALE_ROWS", target.numel() // 2)
     _check(x, weight, target, b, dtype, chunk_memory_bytes, reduction="mean", label_smoothing=0.1)
+
+
+def test_all_ignored_mean_is_nan_without_host_sync(monkeypatch):
+    """Under CUDA-graph capture the mean's 0 / 0 is taken on the device: still NaN, the gradients
+    still zero (the split factors stay finite)."""
+    for module in (cross_entropy_ops, fused_linear_ops):
+        monkeypatch.setattr(module, "host_sync_allowed", lambda tensor: False)
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], torch.float32)
+    loss = tf.fused_linear_cross_entropy(x, weight, torch.full_like(target, -100), b,
+                                         chunk_memory_bytes=chunk_memory_bytes)
+    loss.backward()
+    assert loss.isnan()
+    for tensor in (x, weight, b):
+        assert not tensor.grad.any()
 
 
 def test_default_chunk_size():

@@ -52,6 +52,26 @@ def test_num_items_in_batch_divides_the_summed_loss():
     assert_matches_plain(input_ids=input_ids, labels=labels, num_items_in_batch=57)
 
 
+@pytest.mark.parametrize("num_items_in_batch", [None, 0, 57], ids=["mean", "sum-over-0", "sum-over-57"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "cross_entropy"])
+def test_all_ignored_batch_as_transformers(num_items_in_batch, fused):
+    # transformers' loss over no counted token: the mean is NaN, the sum divided by
+    # num_items_in_batch is NaN for 0 and 0 otherwise; the gradients are zero in every case.
+    input_ids, labels = tiny_batch()
+    labels[:] = -100
+    inputs = dict(input_ids=input_ids, labels=labels)
+    if num_items_in_batch is not None:
+        inputs["num_items_in_batch"] = torch.tensor(num_items_in_batch)
+    truth, truth_grads = loss_and_grads(tiny_model("llama"), **inputs)
+    flags = dict(fused_linear_cross_entropy=fused, cross_entropy=not fused)
+    output, grads = loss_and_grads(apply_tigon(tiny_model("llama"), **flags), **inputs)
+    assert truth.loss.isnan() == (num_items_in_batch != 57)
+    torch.testing.assert_close(output.loss, truth.loss, equal_nan=True, rtol=0, atol=0)
+    assert grads.keys() == truth_grads.keys()
+    for name, grad in grads.items():
+        assert not grad.any() and not truth_grads[name].any(), f"grad of {name}"
+
+
 def test_logits_to_keep_with_labels_of_the_kept_positions():
     input_ids, labels = tiny_batch()
     assert_matches_plain(input_ids=input_ids, labels=labels[:, -6:], logits_to_keep=6)

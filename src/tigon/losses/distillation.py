@@ -6,8 +6,11 @@ last hidden states and heads and never builds either model's ``[N, V]`` logits. 
 computed with fp32 math in one pass over memory, its gradient during the forward pass (see
 :mod:`tigon.ops.divergence` and :mod:`tigon.ops.fused_linear_jsd` for the formulas and their
 derivatives). ``labels`` (optional, ``[...]``) mask rows: a row whose label is ``ignore_index``
-has no loss and no gradient, and means are over the other rows, 0 when there are none (where a
-plain PyTorch mean would be NaN).
+has no loss and no gradient, and means are over the other rows, 0 when there are none: TRL's GKD
+loss, whose convention :func:`jsd` follows, clamps that divisor to 1 on purpose (a completion
+truncated to nothing then trains nothing rather than making the step NaN), where a plain PyTorch
+mean would be NaN. :func:`kl_div` is ``torch.nn.functional.kl_div``'s, NaN included: its
+``"mean"`` and ``"batchmean"`` of an input without elements (or rows) are 0 / 0.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def kl_div(input, target, reduction="mean", log_target=False):
             contributes 0.
         reduction: ``"mean"`` (over all elements, PyTorch's default), ``"batchmean"`` (the sum
             divided by ``input.shape[0]``: the KL per row of a 2-D input), ``"sum"`` or ``"none"``.
+            ``"mean"`` and ``"batchmean"`` of an empty input are NaN, as PyTorch's.
     Returns: the fp32 scalar, or for ``"none"`` the pointwise losses in ``input``'s shape and
     dtype. Gradients flow to ``input`` and to ``target`` when it requires grad (with a
     probability target, ``−inf`` where it is 0: the derivative of ``y·log y`` there).

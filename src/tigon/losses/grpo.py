@@ -24,7 +24,9 @@ and the per-token losses ``ℓ`` are reduced over the masked tokens by the loss 
 batch's active tokens; ``dr_grpo`` by ``B · max_completion_length``; ``dapo`` and ``cispo`` by
 ``num_items_in_batch`` when given (the active tokens of the whole step, across micro-batches and
 processes, as the caller counts them), else by the batch's active tokens, as does ``vespo``;
-``luspo`` sums each completion's tokens and averages the completions.
+``luspo`` sums each completion's tokens and averages the completions. Every token count is
+clamped to at least 1, as TRL's are: a completion (or batch) without active tokens gives 0, not
+NaN.
 
 The per-token log-probs and the gradients come from the chunk loop of
 :mod:`tigon.ops.fused_linear_logprobs` (chunks of whole completions, gradients computed in the

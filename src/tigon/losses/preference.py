@@ -5,7 +5,10 @@ Every loss here takes ``input [S, T, H]`` (the policy's last hidden states), the
 ``ignore_index`` masks the prompt and the padding) and, optionally, the reference model's hidden
 states and head. A sequence's log-probability ``logp`` is the sum over its unmasked tokens of
 ``log softmax(x @ Wᵀ + b)[target]``; ``avg_logp`` divides it by the number of those tokens (0 for
-a sequence without any). Without a reference model the reference log-probabilities are 0.
+a sequence without any, as TRL's ``DPOTrainer`` clamps that count to 1; ``nll`` likewise is 0
+when no chosen token is counted, where a plain cross entropy's mean would be NaN: one empty
+completion then does not make the whole step NaN). Without a reference model the reference
+log-probabilities are 0.
 
 Paired losses (DPO, CPO, SimPO, ORPO) take ``S = 2B`` sequences: the ``B`` chosen ones first,
 then the ``B`` rejected ones, pair ``i`` being sequences ``i`` and ``B + i``. Their loss is a

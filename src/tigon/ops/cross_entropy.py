@@ -9,8 +9,9 @@ Per row of logits ``x [V]`` with target ``t`` (fp32 math whatever the storage dt
 with ``ε = label_smoothing`` (PyTorch's smoothing: ε spread uniformly over the V classes) and
 ``s = lse_square_scale`` (the z-loss, which keeps ``lse`` near 0). Rows whose target is
 ``ignore_index`` have zero loss and a zero gradient row. ``"mean"`` divides by the number of the
-other rows, ``n_valid``, and returns 0 (with a zero gradient) when there are none, where PyTorch
-returns NaN: a batch made only of prompt tokens then trains nothing instead of poisoning the step.
+other rows, ``n_valid``; with none (every target ignored, or no rows) it is 0 / 0 = NaN with a zero
+gradient, as PyTorch's ``cross_entropy`` gives. The division happens on the device, so NaN comes
+with no host sync, under CUDA-graph capture too.
 
 Nothing waits for the GPU, so the loss can be captured in a CUDA graph: ``n_valid`` is counted on
 the device and divides there. A target outside ``[0, V)`` is treated by the kernels as
@@ -203,7 +204,11 @@ def cross_entropy_bwd_kernel(
                 offs = start + cols
                 mask = offs < n_cols
                 grad = tl.load(grad_row + offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(grad_row + offs, (grad * grad_output).to(GRAD.dtype.element_ty), mask=mask)
+                # A zero stays zero, as autograd's gradient of an ignored row does whatever
+                # grad_output is: an infinite one (a sum divided by num_items_in_batch = 0, as
+                # transformers' loss does) would otherwise make 0 · inf = NaN.
+                grad = tl.where(grad == 0.0, 0.0, grad * grad_output)
+                tl.store(grad_row + offs, grad.to(GRAD.dtype.element_ty), mask=mask)
 
 
 def vocab_row_geometry(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
@@ -285,18 +290,19 @@ def count_valid(target: torch.Tensor, n_classes: int, ignore_index: int) -> torc
 
 
 def mean_grad_scale(n_valid: torch.Tensor, numerator: float = 1.0) -> torch.Tensor:
-    """``[1]`` fp32 device tensor ``numerator / max(n_valid, 1)``: the gradient factor of ``"mean"``
-    (with no valid row every gradient row is zero whatever the factor)."""
+    """``[1]`` fp32 device tensor ``numerator / max(n_valid, 1)``: the gradient factor of ``"mean"``.
+    With no valid row every gradient row is zero whatever the factor; the clamp keeps it finite, so
+    those rows stay 0 (PyTorch's gradient there) rather than 0 · inf = NaN."""
     return (numerator / n_valid.clamp(min=1).to(torch.float32)).reshape(1)
 
 
 def reduce_rows(per_row: torch.Tensor, reduction: str, n_valid: torch.Tensor | None) -> torch.Tensor:
     """``[N]`` fp32 per-row values → the reduced scalar (or ``[N]`` for ``"none"``); ``"mean"``
-    divides on the device by ``max(n_valid, 1)``: 0 when no row is valid."""
+    divides on the device by ``n_valid``: NaN (0 / 0) when no row is valid, as PyTorch's mean."""
     if reduction == "none":
         return per_row
     total = per_row.sum()
-    return total / n_valid.clamp(min=1) if reduction == "mean" else total
+    return total / n_valid if reduction == "mean" else total
 
 
 def _loss_outputs_fake(n_rows: int, reduction: str, return_z_loss: bool, like: torch.Tensor):
@@ -366,7 +372,8 @@ def cross_entropy_fwd_inplace(
 @tigon_op("cross_entropy_bwd", mutates_args=("grad",))
 def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """``grad [R, C] *= grad_output`` in place, with ``grad_output`` fp32 ``[1]`` (every row) or
-    ``[R]`` (per row); rows whose factor is exactly 1 are not touched."""
+    ``[R]`` (per row); rows whose factor is exactly 1 are not touched, and zero entries stay zero
+    (even for an infinite or NaN factor)."""
     n_rows, n_cols = grad.shape
     block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, grad.element_size(), grad.device)
     cross_entropy_bwd_kernel[(n_programs,)](

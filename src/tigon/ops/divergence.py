@@ -227,11 +227,15 @@ def flat_labels(labels: torch.Tensor | None) -> torch.Tensor | None:
 
 def _reduction_scale(n_rows, labels, ignore_index, divisor, per_valid_row, device) -> torch.Tensor:
     """fp32 ``[1]``: ``1 / (divisor · n_valid)`` when ``per_valid_row`` (``n_valid`` the rows not
-    ignored, at least 1, counted on the device), else ``1 / divisor``."""
+    ignored, at least 1, counted on the device: the JSD's and TVD's mean over no row is 0, as TRL's
+    GKD loss), else ``1 / divisor``: NaN for a divisor of 0, ``kl_div``'s mean over no element,
+    as PyTorch's (the input then has no element to receive that factor as a gradient)."""
     if per_valid_row and labels is not None:
         n_valid = (labels != ignore_index).sum().clamp_(min=1)
         return (1.0 / (n_valid * divisor)).to(torch.float32).reshape(1)
-    count = divisor * (max(n_rows, 1) if per_valid_row else 1)
+    if not per_valid_row:
+        return torch.full((1,), 1.0 / divisor if divisor else float("nan"), dtype=torch.float32, device=device)
+    count = divisor * max(n_rows, 1)
     return torch.full((1,), 1.0 / max(count, 1), dtype=torch.float32, device=device)
 
 

@@ -123,6 +123,10 @@ def mean_scales(n_valid: torch.Tensor, n_rows: int) -> tuple[torch.Tensor | None
     ``m = min(n_rows, MEAN_SCALE_ROWS)``. In fp16 that keeps the stored ``dlogits`` no smaller than
     unscaled ones up to ``MEAN_SCALE_ROWS`` rows (``p / n_valid`` would flush small entries to zero
     for a few thousand rows) and at most ``m`` times larger (no overflow for gradients of order 1).
+
+    With ``n_valid = 0`` every row's ``dlogits`` is zero, and both factors stay finite (``n_valid``
+    taken as 1) so that the gradients are 0, PyTorch's; the loss's own 0 / 0 = NaN is the
+    reduction's, on the device (:func:`~tigon.ops.cross_entropy.reduce_rows`).
     """
     if host_sync_allowed(n_valid):
         return None, 1.0 / max(int(n_valid), 1)

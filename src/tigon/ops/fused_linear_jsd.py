@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._launch import as_rows, tigon_op
-from tigon.ops.cross_entropy import reduce_rows, store_zero_row
+from tigon.ops.cross_entropy import store_zero_row
 from tigon.ops.divergence import (
     flat_labels,
     kernel_variant,
@@ -224,7 +224,8 @@ def fused_linear_jsd_fwd(
         matmul_scale=matmul_scale,
     )
     return (
-        loss.sum() / max(n_rows, 1) if n_valid is None else reduce_rows(loss, "mean", n_valid),
+        # 0 rather than NaN over no rows, as TRL's GKD loss (clamped: tigon.losses.distillation).
+        loss.sum() / max(n_rows, 1) if n_valid is None else loss.sum() / n_valid.clamp(min=1),
         x2d.new_empty(0) if grad_input is None else grad_input,
         weight.new_empty(0) if grad_weight is None else grad_weight,
     )

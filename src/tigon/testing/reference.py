@@ -291,14 +291,17 @@ def cross_entropy(
         z = softcap * torch.tanh(z / softcap)
     valid = target != ignore_index
     per_token = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
-    z_loss = lse_square_scale * torch.logsumexp(z, dim=-1).pow(2) * valid
+    # where, not a product with the mask: an ignored row's gradient is then 0 even for an
+    # infinite upstream gradient (the mean over no target), as PyTorch's cross entropy gives.
+    z_loss = torch.where(valid, lse_square_scale * torch.logsumexp(z, dim=-1).pow(2), 0.0)
     per_token = per_token + z_loss
     if reduction == "none":
         loss, z_loss = per_token.reshape(logits.shape[:-1]), z_loss.reshape(logits.shape[:-1])
     elif reduction == "sum":
         loss, z_loss = per_token.sum(), z_loss.sum()
     else:
-        n_valid = valid.sum().clamp(min=1)
+        # PyTorch's mean: NaN (0 / 0) when every target is ignored.
+        n_valid = valid.sum()
         loss, z_loss = per_token.sum() / n_valid, z_loss.sum() / n_valid
     return (loss, z_loss) if return_z_loss else loss
 
