@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # pinned to the versions of the GPU machine so both test the same thing.
 PINS := torch==2.13.0 triton==3.6.0
 
-.PHONY: check test bench demo docs wheel-check clean
+.PHONY: check test typecheck bench demo docs wheel-check clean
 
 $(BIN)/tigon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ check: $(BIN)/tigon
 
 test: $(BIN)/tigon
 	$(BIN)/python -m pytest -q
+
+# The public API's type hints, checked by mypy ([tool.mypy] in pyproject.toml).
+typecheck: $(BIN)/tigon
+	$(BIN)/mypy
 
 bench: $(BIN)/tigon
 	$(BIN)/tigon bench

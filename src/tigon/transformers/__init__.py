@@ -23,9 +23,8 @@ transformers 5.17.
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
-from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from tigon.transformers import moe
@@ -35,6 +34,7 @@ from tigon.transformers.kernel_hub import export_kernels, kernel_config
 from tigon.transformers.patching import (
     FLAG_DEFAULTS,
     LAYER_FLAGS,
+    ModelT,
     base_model,
     check_flags,
     family_patcher,
@@ -49,9 +49,6 @@ moe.register()
 PATCHERS = {model_type: family_patcher(model_type) for model_type in FAMILIES}
 UNPATCHERS = {model_type: family_unpatcher(model_type) for model_type in FAMILIES}
 globals().update({function.__name__: function for function in (*PATCHERS.values(), *UNPATCHERS.values())})
-
-ModelT = TypeVar("ModelT", bound=nn.Module)
-
 
 class FamilyPatcher(Protocol):
     """The type of ``apply_tigon_to_<family>`` (and of ``unapply_tigon_to_<family>``, called with

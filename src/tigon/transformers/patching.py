@@ -37,7 +37,7 @@ import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import transformers
 from torch import nn
@@ -77,6 +77,8 @@ class ModulePatch:
     head_methods: dict[str, Callable | None] = field(default_factory=dict)
     needs: ModelPatch = field(default_factory=ModelPatch)
 
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 # Patched models alive (each holds its ModelPatch as ``tigon_patch``), patched modules by model
 # type, and the rotary functions tigon replaced, by (module name, function name).
@@ -321,7 +323,7 @@ def revert_family(family: Family) -> None:
     _release_shared()
 
 
-def unapply_tigon(model: nn.Module) -> nn.Module:
+def unapply_tigon(model: ModelT) -> ModelT:
     """Undo every tigon patch of ``model`` (a Hugging Face model, or a PEFT model wrapping one), in
     place, and return it: its layers get back their Hugging Face classes, its forward and head
     their own, its experts the implementation they had. A rotary function or PEFT's LoRA forward,
