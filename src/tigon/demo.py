@@ -16,6 +16,7 @@ import copy
 import textwrap
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
@@ -170,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     patched = copy.deepcopy(plain)
     apply_tigon(patched)
 
+    # Through the interpreter the progress bars show no rate (steps per second) either.
+    bar_format = None if on_gpu else "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
     results = [
-        train("Hugging Face", plain, batches, args.lr, device, tqdm),
-        train("Hugging Face + tigon", patched, batches, args.lr, device, tqdm),
+        train(name, model, batches, args.lr, device, partial(tqdm, bar_format=bar_format))
+        for name, model in (("Hugging Face", plain), ("Hugging Face + tigon", patched))
     ]
     max_diff = max(abs(a - b) for a, b in zip(results[0].losses, results[1].losses))
     speed_columns = f"{'tokens/s':>12}{'peak memory':>14}" if on_gpu else ""
