@@ -3,6 +3,8 @@
 - The model support matrix of ``models.md`` is generated from the families table,
   ``tigon.transformers.families.FAMILIES``, at every build: the marker line
   ``<!-- families-matrix -->`` becomes one row per family, so the page cannot drift from the code.
+- The headline shapes of ``anchors.md`` are generated from ``tigon.bench.specs.OPS`` (the marker
+  ``<!-- headline-shapes -->``): the shapes `tigon bench` marks and `tigon bench --quick` runs.
 - A link from a page to a file of the repository outside ``docs/`` (a perf note's link to
   ``../../benchmarks/results/...``) works where the Markdown is read on its own, but has no page
   on the site: it becomes the link's text and the file's path in the repository, as code.
@@ -104,13 +106,11 @@ def _cell(items) -> str:
 def families_matrix(families: dict) -> str:
     """The support matrix as a Markdown table, one row per family in the table's order."""
     lines = [
-        "| model type | kind | norms | RoPE | MLP | MoE experts | loss head | flags |",
+        "| model type | kind | norms | RoPE | MLP | MoE experts | loss head | layer flags |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for model_type, family in families.items():
         flags = sorted({row.flag for row in family.sub_rows()})
-        if family.head is not None:
-            flags.append("fused_linear_cross_entropy")
         cells = [
             f"`{model_type}`",
             _kind(family),
@@ -119,7 +119,7 @@ def families_matrix(families: dict) -> str:
             _cell([_mlp(mlp) for mlp in family.mlps]),
             _cell([f"`{experts.name}`: fused MoE" for experts in family.experts]),
             _head(family),
-            _cell([f"`{flag}`" for flag in flags]),
+            ", ".join(f"`{flag}`" for flag in flags) or "—",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -145,12 +145,31 @@ def _repository_links(markdown: str, page, docs_dir: Path) -> str:
     return _LINK.sub(replace, markdown)
 
 
+HEADLINE_MARKER = "<!-- headline-shapes -->"
+
+
+def headline_shapes() -> str:
+    """One row per op of ``tigon bench``: its headline shape, the swept dimension and what its
+    floor counts. Imports tigon (and so torch): the specs build their inputs with torch."""
+    from tigon.bench.specs import OPS
+
+    lines = ["| op | headline shape | swept | floor counts |", "|---|---|---|---|"]
+    for name, spec in OPS.items():
+        sweep = spec.sweep
+        shape = spec.describe(sweep.shape_dims(sweep.headline))
+        sizes = ", ".join(str(size) for size in sweep.sizes)
+        lines.append(f"| `{name}` | {shape} | {sweep.axis} ∈ {{{sizes}}} | {spec.unit} |")
+    return "\n".join(lines)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = _repository_links(markdown, page, Path(config["docs_dir"]).resolve())
     if MATRIX_MARKER in markdown:
         families = load_families()
         summary = f"{len(families)} rows, generated from `tigon.transformers.families.FAMILIES` at build time.\n\n"
         markdown = markdown.replace(MATRIX_MARKER, summary + families_matrix(families))
+    if HEADLINE_MARKER in markdown:
+        markdown = markdown.replace(HEADLINE_MARKER, headline_shapes())
     return markdown
 
 
