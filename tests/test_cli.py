@@ -70,7 +70,7 @@ def test_every_option_has_help(monkeypatch, capsys, argv):
                 continue
             name = "/".join(action.option_strings) or action.dest
             if isinstance(action, argparse._SubParsersAction):
-                missing += [f"{parser.prog} {choice.dest}: no help" for choice in action._choices_actions if not choice.help]
+                missing += [f"{parser.prog} {c.dest}: no help" for c in action._choices_actions if not c.help]
                 continue
             if not action.help:
                 missing.append(f"{parser.prog} {name}: no help")

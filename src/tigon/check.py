@@ -202,7 +202,8 @@ def cases(small: bool) -> list[Case]:
         }
 
     def ce_inputs(device, dtype):
-        return {"logits": _randn(device, dtype, n_tokens, vocab, scale=4.0), "target": _targets(device, vocab, n_tokens)}
+        logits = _randn(device, dtype, n_tokens, vocab, scale=4.0)
+        return {"logits": logits, "target": _targets(device, vocab, n_tokens)}
 
     def head_inputs(device, dtype):
         return {
@@ -399,7 +400,7 @@ def _backward(outputs, grads, leaves: dict) -> dict[str, torch.Tensor]:
     pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return {name: leaf.grad for name, leaf in leaves.items() if isinstance(leaf, torch.Tensor) and leaf.grad is not None}
+    return {name: leaf.grad for name, leaf in leaves.items() if getattr(leaf, "grad", None) is not None}
 
 
 def _sync(device):
@@ -488,7 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         selected = [case for case in selected if case.name in args.ops]
     for line in environment_lines(device):
         print(line)
-    header = f"{'op':<28}{'shape':<44}{'dtype':<7}{'output err':>12}{'grad err':>12}{'limit':>9}{'time (ms)':>11}  ok"
+    name_width = max(len(case.name) for case in selected) + 2
+    shape_width = max(len(case.shape) for case in selected) + 2
+    header = (
+        f"{'op':<{name_width}}{'shape':<{shape_width}}{'dtype':<7}"
+        f"{'output err':>12}{'grad err':>12}{'limit':>9}{'time (ms)':>11}  ok"
+    )
     print(header)
     print("-" * len(header))
     failures = total = 0
@@ -496,18 +502,19 @@ def main(argv: list[str] | None = None) -> int:
     for case in selected:
         for dtype_name in args.dtypes:
             total += 1
+            label = f"{case.name:<{name_width}}{case.shape:<{shape_width}}{dtype_name:<7}"
             try:
                 # No warm-up through the interpreter: it compiles nothing, the first call costs the same.
                 row = run_case(case, DTYPES[dtype_name], device, warm_up=not on_interpreter)
             except Exception as error:  # one op's exception is its failure; the others still run
                 failures += 1
-                print(f"{case.name:<28}{case.shape:<44}{dtype_name:<7}  raised {type(error).__name__}: {error}  NO")
+                print(f"{label}raised {type(error).__name__}: {error}  NO", flush=True)
                 continue
             failures += not row.ok
             grad_error = "-" if row.grad_error is None else f"{row.grad_error:.2e}"
             print(
-                f"{case.name:<28}{case.shape:<44}{dtype_name:<7}{row.output_error:>12.2e}{grad_error:>12}"
-                f"{row.limit:>9.0e}{row.milliseconds:>11.2f}  {'yes' if row.ok else 'NO'}",
+                f"{label}{row.output_error:>12.2e}{grad_error:>12}{row.limit:>9.0e}{row.milliseconds:>11.2f}"
+                f"  {'yes' if row.ok else 'NO'}",
                 flush=True,
             )
     print(f"{total - failures} passed, {failures} failed")

@@ -135,7 +135,8 @@ def parser(on_gpu: bool) -> argparse.ArgumentParser:
     steps, default = machine_default(30, 8)
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps of each run {default}")
     seq_len, default = machine_default(1024, 32, " bytes")
-    parser.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens (bytes of the corpus) per sequence {default}")
+    parser.add_argument("--seq-len", type=int, default=seq_len,
+                        help=f"tokens (bytes of the corpus) per sequence {default}")
     batch, default = machine_default(8, 2)
     parser.add_argument("--batch", type=int, default=batch, help=f"sequences per step {default}")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default: %(default)g)")
