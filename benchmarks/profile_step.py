@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tigon.bench.e2e import build_model
+from tigon.bench.e2e_models import build_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KERNEL_CLASSES = (

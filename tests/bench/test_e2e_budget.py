@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tigon.bench import main
-from tigon.bench.e2e import MODELS, build_model, captured_train_step, new_optimizer, train_step
+from tigon.bench.e2e import captured_train_step, new_optimizer, train_step
+from tigon.bench.e2e_models import MODELS, build_model, text_batch
 from utils import DEVICE, ON_GPU
 
 
@@ -53,18 +54,16 @@ def test_the_captured_step_trains_as_the_eager_step(setup, hugging_face_modules_
         if captured:
             # Capture takes three warm-up steps (they train), then the first batch drawn for a replay:
             # the eager run takes the same warm-up steps on the same first batch.
-            step, _ = captured_train_step(model, optimizer, 2, 64, generator)
+            step, _ = captured_train_step(model, optimizer, lambda: text_batch(model.config, 2, 64, generator))
         else:
-            warm = torch.Generator(device="cuda").manual_seed(0)
-            tokens = torch.randint(0, model.config.vocab_size, (2, 64), device="cuda", generator=warm)
+            warm = text_batch(model.config, 2, 64, generator)
             for _ in range(3):
-                model(input_ids=tokens, labels=tokens).loss.backward()
+                model(**warm).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=False)
-            generator = warm
 
             def step():
-                return train_step(model, optimizer, 2, 64, generator)
+                return train_step(model, optimizer, text_batch(model.config, 2, 64, generator))
 
         runs.append([step() for _ in range(3)])
     eager, graphed = runs

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import sys
 import time
 from dataclasses import asdict
@@ -16,6 +15,7 @@ import triton
 
 import tigon
 from tigon.bench import report, runner
+from tigon.bench.machine import default_out, run_device
 from tigon.bench.providers import PROVIDERS, load_providers
 from tigon.bench.specs import MODES, OPS
 
@@ -25,51 +25,34 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tigon bench",
+        usage="tigon bench [OP ...] [options] | tigon bench e2e [options] | tigon bench moe [options]",
         description="Time every op against its peers on this GPU and write CSV, JSON and plots. "
         "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing. "
-        "`tigon bench e2e [--lora] [--model qwen3_moe]` trains a 4-layer Llama-3-8B- (or Qwen3-30B-A3B-) shaped model "
-        "end to end instead; `tigon bench moe` times whole MoE blocks (see their --help).",
+        "`tigon bench e2e` trains models end to end instead (Llama, Qwen3-MoE, Qwen2.5-VL, DeepSeek-V3, GPT-OSS; "
+        "under TRL with --trl, FSDP2 with --gpus); `tigon bench moe` times whole MoE blocks (see their --help).",
     )
     parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OPS)}")
-    parser.add_argument("--mode", choices=MODES, default="full", help="what is timed (default: full = forward + backward)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--mode", choices=MODES, default="full",
+                        help=f"what is timed: {', '.join(MODES)} (default: full = forward + backward)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the inputs' dtype (default: bf16)")
     parser.add_argument(
         "--providers", nargs="+", choices=list(PROVIDERS), metavar="PROVIDER",
-        help=f"default: every one that can run here: {', '.join(PROVIDERS)}",
+        help=f"{', '.join(PROVIDERS)} (default: every one that can run here; torch.compile is left out of smoke runs)",
     )
     parser.add_argument(
         "--out", type=Path,
-        help="results folder (default: benchmarks/results/<gpu> of a checkout, tigon-out/bench-<gpu> of the working "
-        "directory outside one; tigon-out/bench-smoke for smoke runs)",
+        help="results folder (default: tigon-out/bench-<gpu> of the working directory, tigon-out/bench-smoke for "
+        "smoke runs; committed results: --out benchmarks/results/<gpu>)",
     )
-    parser.add_argument("--quick", action="store_true", help="only the headline shape of each op")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each, no timings (the default without a GPU)")
+    parser.add_argument("--quick", action="store_true", help="only the headline shape of each op (default: every size)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, one call each, no timings (the default without a GPU)")
     args = parser.parse_args(argv)
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(OPS)}")
     args.ops = list(dict.fromkeys(args.ops)) or list(OPS)
     return args
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def _default_out(smoke: bool, gpu: str | None) -> Path:
-    # Run from a checkout (src/tigon), GPU results go where they are committed; run from an
-    # installed wheel, everything goes under tigon-out/ of the working directory, as the demo's PNG.
-    checkout = Path(tigon.__file__).resolve().parents[2]
-    if (checkout / "pyproject.toml").is_file():
-        return checkout / "tigon-out" / "bench-smoke" if smoke else checkout / "benchmarks" / "results" / _slug(gpu)
-    return Path.cwd() / "tigon-out" / ("bench-smoke" if smoke else f"bench-{_slug(gpu)}")
-
-
-def run_device(smoke: bool) -> tuple[bool, torch.device, str | None]:
-    """Whether the run is a smoke run (asked for, or no GPU), its device and the GPU's name."""
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    return smoke or not on_gpu, device, torch.cuda.get_device_name(device) if on_gpu else None
 
 
 def _progress(total: int):
@@ -196,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_derived_columns(rows, ceilings)
     meta = _meta(args, sweeps, tables, skipped, device, gpu, smoke, ceilings, l2_bytes)
 
-    out = args.out or _default_out(smoke, gpu)
+    out = args.out or default_out(smoke, gpu)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.dtype}-{args.mode}" + ("-quick" if args.quick else "")
     report.write_csv(rows, out / f"bench-{stem}.csv")

@@ -1,30 +1,30 @@
-"""End to end: a 4-layer Llama-3-8B- or Qwen3-30B-A3B-shaped model trained with Hugging Face, + Liger-Kernel, + tigon.
+"""End to end: models trained by Hugging Face, + Liger-Kernel, + tigon; tokens/s and peak memory.
 
-Shapes as ../shared/anchors.md: hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256,
-bf16 weights, AdamW, gradient checkpointing, SDPA attention, batch 4 × 4096 tokens. Each setup
-runs in its own process (patching is global, and peak memory must start from nothing); each
-reports tokens/s over the timed steps, the peak memory of a training step and of each of its
-phases (forward, backward, optimizer), and the longest sequence that trains at batch 1 (searched
-in steps of 4096 tokens). AdamW is PyTorch's fused one by default, as the Hugging Face Trainer
-uses with torch ≥ 2.8 (``adamw_torch_fused``); ``--optimizer foreach`` takes PyTorch's default.
-``--memory-profile`` adds, per setup, the largest tensors alive at the peak and where they were
-allocated.
+One harness measures every end-to-end number: the models of :mod:`tigon.bench.e2e_models` (Llama-3-8B,
+Llama-3.2-1B, Qwen3-30B-A3B, Qwen2.5-VL-7B, DeepSeek-V3 at V2-Lite scale, GPT-OSS-20B: their real
+widths, few layers), trained by one of three loops, on one GPU or several under FSDP2.
 
-``--model qwen3_moe`` trains 4 layers of Qwen3-30B-A3B instead (hidden 2048, 32 heads / 4 KV heads
-of dim 128, 128 experts of width 768 with 8 per token and their weights renormalised, vocab 151936,
-rope theta 1e6), with the same batch, optimizer and checkpointing. The router's auxiliary loss is as
-the released config has it: not computed (``output_router_logits`` false, coefficient 0.001);
-``--router-aux-loss`` turns it on. The experts run as each setup has them: Hugging Face with
-transformers' default ``experts_implementation`` (``grouped_mm``), Liger with its
-``apply_liger_kernel_to_qwen3_moe`` defaults (which replace the experts by its fused MoE,
-``LigerExperts``, besides its norms, RoPE and fused linear cross entropy) and tigon with its family
-patch and ``experts_implementation="tigon"`` (its fused experts kernel); each result records its
-experts' class and implementation.
+Each setup runs in its own process (patching is global, and peak memory must start from nothing),
+Hugging Face first; each reports tokens/s over the timed steps after the warm-up ones, the peak
+memory of a training step and of each of its phases (forward, backward, optimizer), every step's
+loss, and how far its first loss is from Hugging Face's (the same weights and batches in every
+setup: ~1e-2 relative in bf16). A setup that fails (out of memory, a patch raising) is recorded
+with its reason; the others run on. Setups: ``hf`` (nothing patched), ``liger`` (Liger-Kernel's
+``MODEL_TYPE_TO_APPLY_LIGER_FN`` entry for the family, its defaults) and ``tigon``
+(``tigon.transformers.PATCHERS[model_type]()``), each applied before the model is built.
+
+The loop (default, ``--lora``, ``--budget``, ``--cuda-graph``, ``--gpus``): bf16 weights, AdamW
+(PyTorch's fused one by default, as the Hugging Face Trainer uses with torch ≥ 2.8;
+``--optimizer foreach`` takes PyTorch's default), non-reentrant gradient checkpointing, SDPA
+attention (GPT-OSS: flex), batch 4 × 4096 tokens. It also reports the longest sequence that
+trains at batch 1 (searched in steps of 4096 tokens; off by default for the three families, whose
+steps are slow). ``--memory-profile`` adds, per setup, the largest tensors alive at the peak and
+where they were allocated.
 
 ``--lora`` trains PEFT LoRA adapters instead (r 16, alpha 32, no dropout, on q, k, v, o, gate, up
-and down; PEFT's defaults otherwise, so fp32 adapters on the bf16 model), AdamW on the adapters
-only, and adds tigon's full fine-tuning of the same model and batch for scale. ``--qlora`` does the
-same over a 4-bit base: the decoder's linear layers as bitsandbytes NF4 layers computing in bf16.
+and down; fp32 adapters on the bf16 model), AdamW on the adapters only, and adds tigon's full
+fine-tuning of the same model and batch for scale. ``--qlora`` does the same over a 4-bit base: the
+decoder's linear layers as bitsandbytes NF4 layers computing in bf16.
 
 ``--budget hf`` trains each setup at its best gradient checkpointing within one memory budget:
 Hugging Face's own peak with every layer recomputed (``--budget 30`` gives GiB instead). Each
@@ -37,167 +37,113 @@ result records the plan, every probe's peak and the timed steps' own peak agains
 side stream, and replays it on every new batch, copied into the captured input: no host time is
 left in the step, which is what small batches are bound by. A setup whose step cannot be captured
 (a host sync inside it) fails and says why. The peak memory is the capture's (replays allocate
-nothing). It does not combine with ``--budget``, whose plans are probed with eager steps.
+nothing).
 
-    tigon bench e2e [--model llama | llama_1b | qwen3_moe] [--lora | --qlora] [--setups hf liger tigon]
-        [--steps 6] [--batch 4] [--seq-len 4096] [--optimizer fused] [--router-aux-loss]
-        [--budget hf | GiB] [--cuda-graph] [--out DIR]
+``--gpus 2 1`` trains each setup under FSDP2 on 2 GPUs (one torchrun launch: each decoder layer an
+FSDP2 unit, the root unit holding the embeddings, the final norm and the head, whose weight the
+fused losses read inside the root's forward, unsharded), then on one GPU without FSDP, so that one
+run gives each setup's speed-up and memory saving on one GPU and on several. Each GPU trains on
+its own batch; reported per GPU: tokens/s (the mean over GPUs) and peak memory (the largest).
+
+``--trl sft grpo`` trains under TRL instead (:mod:`tigon.bench.e2e_trl`): ``SFTTrainer`` with TRL's
+fused LM head, and GRPO's policy log-probs, forward + backward; its setups patch the built model
+as a TRL user would (``hf``: TRL alone; ``tigon_head``: ``patch_trl()``; ``tigon``: ``apply_tigon``
+and ``patch_trl()``; ``liger``).
+
+``--smoke`` is a run of the same code paths at tiny sizes (the models' tiny shapes: hidden 64, 2
+layers; 2 × 64 tokens, one warm-up and two timed steps), in fp32, on the CPU through Triton's
+interpreter where there is no GPU; one process per setup runs every model and loop (the imports
+dominate), FSDP2 runs on gloo. No memory is measured on the CPU and the timings mean nothing; the
+losses of tigon and Hugging Face agree to ~1e-6.
+
+Writes ``e2e_<model>[_trl_<loop>][_lora|_qlora][_aux_loss][_budget_<b>][_b<B>x<T>][_graph][_fsdp2].json``
+and ``.png`` per model and loop into ``--out`` (default: ``tigon-out/bench-<gpu>`` of the working
+directory, ``tigon-out/bench-smoke`` for smoke runs), rewritten after every process, so a run cut
+short keeps what it measured. Results committed to the repository go to
+``--out benchmarks/results/<gpu>``.
+
+    tigon bench e2e [--model llama llama_1b qwen3_moe qwen2_5_vl deepseek_v3 gpt_oss] [--setups hf liger tigon]
+        [--trl sft grpo] [--gpus N ...] [--lora | --qlora] [--budget hf | GiB] [--cuda-graph] [--layers L]
+        [--batch 4] [--seq-len 4096] [--warmup W] [--steps S] [--smoke] [--out DIR] ...
     (python -m tigon.bench.e2e takes the same arguments)
+
+On the GPU machine, peers travel as wheels (``carry: [".whl"]``; liger-kernel 0.8.5, and for
+``--trl`` trl 1.16.0, datasets 5.2.0 with dill and multiprocess): ``bash benchmarks/gpu_session.sh
+bench e2e ...`` installs them and runs it.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import re
+import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SETUPS = ("hf", "liger", "tigon")
+from tigon.bench import e2e_trl
+from tigon.bench.e2e_models import (
+    MODELS, attention_for, batch_maker, build_model, decoder_layers, experts_in, quantize_4bit, with_lora,
+)
+from tigon.bench.machine import default_out, environment, peak_gib, reset_peak, synchronize
+
+SETUPS = ("hf", "liger", "tigon", "tigon_head")
+TRAIN_SETUPS = ("hf", "liger", "tigon")
 LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LOOPS = ("train", *e2e_trl.LOOPS)
+# The setups a loop runs unless --setups names others.
+DEFAULT_SETUPS = {"train": TRAIN_SETUPS, "sft": ("hf", "liger", "tigon"), "grpo": ("hf", "tigon_head", "tigon")}
 # With --lora, tigon's full fine-tuning runs last, for scale.
 FULL_TIGON = "tigon-full"
-# Llama-3-8B's layer shapes (the number of layers is build_model's argument).
-LLAMA_3_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-    max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-)
-# Llama-3.2-1B's, all 16 layers, the head tied to the embedding as released (its llama3 RoPE scaling
-# changes no shape or cost, and is left out).
-LLAMA_3_2_1B = dict(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-)
-# Qwen3-30B-A3B's, as its released config.json: every layer a mixture of experts.
-QWEN3_30B_A3B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-    num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, output_router_logits=False,
-    router_aux_loss_coef=0.001,
-)
+# Sizes unless an option says otherwise: the GPU run's, per loop, and the smoke run's.
+SIZES = {
+    "train": dict(batch=4, seq_len=4096, warmup=2, steps=6, prompt_len=512, image_side=448),
+    "sft": dict(batch=4, seq_len=4096, warmup=3, steps=10, prompt_len=512, image_side=448),
+    "grpo": dict(batch=4, seq_len=4096, warmup=2, steps=5, prompt_len=512, image_side=448),
+}
+SMOKE = dict(layers=2, batch=2, seq_len=64, warmup=1, steps=2, prompt_len=16, image_side=168, max_search=0)
+TIMEOUT_S = 900
+COLORS = {"hf": "tab:gray", "liger": "tab:blue", "tigon": "tab:orange", "tigon_head": "lightsalmon",
+          FULL_TIGON: "tab:olive"}
 
 
 @dataclass(frozen=True)
-class Model:
-    """A model trained end to end: ``module`` names its folder in ``transformers.models``, its
-    Liger patch (``apply_liger_kernel_to_<module>``) and tigon's (``PATCHERS[module]``).
+class Job:
+    """One setup of one model trained by one loop on ``gpus`` GPUs (FSDP2 above 1)."""
 
-    Attributes:
-        title: the model whose layer shapes these are, for tables and plots.
-        config_class, model_class: names in the family's modeling module.
-        shapes: the released model's shapes (the number of layers is build_model's argument).
-        experts: a mixture of experts, whose tigon setup runs tigon's experts kernel.
-        layers: the layers trained unless ``--layers`` says otherwise.
-        tied: the head shares the embedding's weight.
-    """
+    loop: str
+    model: str
+    setup: str
+    gpus: int = 1
 
-    title: str
-    module: str
-    config_class: str
-    model_class: str
-    shapes: dict
-    experts: bool = False
-    layers: int = 4
-    tied: bool = False
+    def __str__(self) -> str:
+        return f"{self.loop}:{self.model}:{self.setup}:{self.gpus}"
+
+    @classmethod
+    def parse(cls, text: str) -> Job:
+        loop, model, setup, gpus = text.split(":")
+        return cls(loop, model, setup, int(gpus))
 
 
-MODELS = {
-    "llama": Model("Llama-3-8B", "llama", "LlamaConfig", "LlamaForCausalLM", LLAMA_3_8B),
-    "llama_1b": Model("Llama-3.2-1B", "llama", "LlamaConfig", "LlamaForCausalLM", LLAMA_3_2_1B, layers=16, tied=True),
-    "qwen3_moe": Model(
-        "Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_30B_A3B, experts=True,
-    ),
-}
+def label(job: Job, lora: str | None = None) -> str:
+    """The setup's name in tables and plots; ``lora`` is "LoRA", "QLoRA" or ``None``."""
+    if job.loop != "train":
+        name = e2e_trl.LABELS[job.loop][job.setup]
+    elif job.setup == FULL_TIGON:
+        name = "Hugging Face + tigon, full fine-tuning"
+    else:
+        name = LABELS[job.setup] + (f" + PEFT {lora}" if lora else "")
+    return name + (f", {job.gpus} GPUs (FSDP2)" if job.gpus > 1 else "")
 
 
-def gpu_slug() -> str:
-    """The GPU's name as a folder name (benchmarks/results/<slug>/, where tigon bench writes too)."""
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-
-
-def build_model(
-    setup: str, layers: int, device: str = "cuda", *, model: str = "llama", dtype=torch.bfloat16, **shape
-):
-    """A ``dtype`` causal LM of ``layers`` layers with the shapes of ``MODELS[model]`` (``shape``
-    overrides them, for smoke runs), seeded weights, SDPA, non-reentrant gradient checkpointing, in
-    training mode; ``setup`` "liger" or "tigon" patches the modeling module first, and a mixture of
-    experts built for "tigon" runs its experts by tigon's kernel."""
-    spec = MODELS[model]
-    options = {}
-    if setup == "liger":
-        import liger_kernel.transformers
-
-        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{spec.module}")()
-    elif setup == "tigon":
-        from tigon.transformers import PATCHERS
-
-        PATCHERS[spec.module]()
-        if spec.experts:
-            from tigon.transformers.moe import IMPLEMENTATION, register
-
-            register()  # before the model is built: transformers checks the name then
-            options["experts_implementation"] = IMPLEMENTATION
-    modeling = importlib.import_module(f"transformers.models.{spec.module}.modeling_{spec.module}")
-    config_class = getattr(importlib.import_module(f"transformers.models.{spec.module}"), spec.config_class)
-    config = config_class(
-        **{**spec.shapes, **shape}, num_hidden_layers=layers, tie_word_embeddings=spec.tied, attn_implementation="sdpa",
-        **options,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = getattr(modeling, spec.model_class)(config).to(dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model.train()
-    return model
-
-
-def experts_in(model) -> str | None:
-    """What computes the model's mixture-of-experts experts: their class and transformers'
-    ``experts_implementation`` it dispatches on (a class replacing it, Liger's, has none); ``None``
-    for a dense model."""
-    experts = next((module for module in model.modules() if type(module).__name__.endswith("Experts")), None)
-    if experts is None:
-        return None
-    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    return type(experts).__name__ + (f" ({implementation})" if implementation else "")
-
-
-def with_lora(model):
-    """``model`` with PEFT LoRA adapters (r 16, alpha 32) on every linear layer of its decoder."""
-    from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
-
-
-def quantize_4bit(model, compute_dtype=torch.bfloat16):
-    """``model`` with the linear layers of its decoder as bitsandbytes 4-bit NF4 layers computing
-    in ``compute_dtype`` (QLoRA's base), on the GPU; the head stays as it was."""
-    import bitsandbytes as bnb
-
-    for layer in model.model.layers:
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is torch.nn.Linear:
-                    quantized = bnb.nn.Linear4bit(
-                        child.in_features, child.out_features, bias=child.bias is not None,
-                        compute_dtype=compute_dtype, quant_type="nf4",
-                    )
-                    quantized.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
-                    setattr(parent, name, quantized.cuda())
-    # As transformers' bitsandbytes quantizer marks a model it loads in 4 bits: PEFT then wraps these
-    # layers with its QLoRA class (lora.Linear4bit), as it does for a from_pretrained 4-bit model.
-    model.is_loaded_in_4bit = True
-    torch.cuda.empty_cache()
-    return model
+# The training step of the default loop.
 
 
 def new_optimizer(model, kind: str, capturable: bool = False) -> torch.optim.Optimizer:
@@ -205,19 +151,20 @@ def new_optimizer(model, kind: str, capturable: bool = False) -> torch.optim.Opt
     return torch.optim.AdamW(trained, lr=1e-5, fused=kind == "fused", foreach=kind == "foreach", capturable=capturable)
 
 
-def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peaks: dict | None = None) -> float:
-    """One step; with ``phase_peaks``, the peak memory (GiB) of each phase is recorded into it."""
+def train_step(model, optimizer, inputs: dict, phase_peaks: dict | None = None) -> float:
+    """One step on ``inputs``; with ``phase_peaks`` (on a GPU), the peak memory (GiB) of each phase
+    is recorded into it."""
+    device = inputs["input_ids"].device.type
 
     def end_phase(name):
-        if phase_peaks is not None:
+        if phase_peaks is not None and device == "cuda":
             torch.cuda.synchronize()
             phase_peaks[name] = max(phase_peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
             torch.cuda.reset_peak_memory_stats()
 
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
     if phase_peaks is not None:
-        torch.cuda.reset_peak_memory_stats()
-    loss = model(input_ids=tokens, labels=tokens).loss
+        reset_peak(device)
+    loss = model(**inputs).loss
     end_phase("forward")
     loss.backward()
     end_phase("backward")
@@ -227,14 +174,14 @@ def train_step(model, optimizer, batch: int, seq_len: int, generator, phase_peak
     return loss.item()
 
 
-def captured_train_step(model, optimizer, batch: int, seq_len: int, generator) -> tuple[Callable[[], float], float]:
-    """The training step captured as one CUDA graph: → (a call that draws a new batch into the
-    captured input, replays the graph and returns the loss; the peak memory (GiB) of the warm-up
+def captured_train_step(model, optimizer, new_batch: Callable[[], dict]) -> tuple[Callable[[], float], float]:
+    """The training step captured as one CUDA graph: → (a call that copies a new batch into the
+    captured inputs, replays the graph and returns the loss; the peak memory (GiB) of the warm-up
     and the capture). ``optimizer`` must be capturable."""
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
+    inputs = new_batch()
 
     def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
+        loss = model(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # the captured gradients stay where the graph wrote them
@@ -257,18 +204,19 @@ def captured_train_step(model, optimizer, batch: int, seq_len: int, generator) -
     capture_peak = torch.cuda.max_memory_allocated() / 2**30
 
     def replay() -> float:
-        tokens.copy_(torch.randint(0, model.config.vocab_size, tokens.shape, device="cuda", generator=generator))
+        for name, tensor in new_batch().items():
+            inputs[name].copy_(tensor)
         graph.replay()
         return loss.item()
 
     return replay, capture_peak
 
 
-def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int = 24) -> list[dict]:
+def peak_tensors(model, optimizer, inputs: dict, top: int = 24) -> list[dict]:
     """The ``top`` largest allocations alive at the peak of one recorded step, with the frames of
     tigon, transformers or the optimizer that allocated them."""
     torch.cuda.memory._record_memory_history(max_entries=200_000)
-    train_step(model, optimizer, batch, seq_len, generator)
+    train_step(model, optimizer, inputs)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     live, peak_live, in_use, peak = {}, {}, 0, 0
@@ -289,21 +237,21 @@ def peak_tensors(model, optimizer, batch: int, seq_len: int, generator, top: int
     return rows
 
 
-def time_steps(step: Callable[[], float], tokens_per_step: int, steps: int,
+def time_steps(step: Callable[[], float], tokens_per_step: int, warmup: int, steps: int, device: str,
                phase_step: Callable[[dict], float] | None = None) -> dict:
-    """Two warm-up calls of ``step`` (→ the loss), then ``steps`` timed ones: tokens/s of this
-    process, the peak memory of its training steps and every step's loss; then, with
-    ``phase_step``, one more step that records the peak of each phase."""
-    losses = [step() for _ in range(2)]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    """``warmup`` calls of ``step`` (→ the loss), then ``steps`` timed ones: tokens/s of this
+    process, the peak memory of its training steps (``None`` on the CPU) and every step's loss;
+    then, with ``phase_step`` on a GPU, one more step that records the peak of each phase."""
+    losses = [step() for _ in range(warmup)]
+    synchronize(device)
+    reset_peak(device)
     start = time.perf_counter()
     losses += [step() for _ in range(steps)]
-    torch.cuda.synchronize()
+    synchronize(device)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = peak_gib(device)
     phase_peaks = {}
-    if phase_step is not None:
+    if phase_step is not None and device == "cuda":
         losses.append(phase_step(phase_peaks))
     return {
         "tokens_per_second": tokens_per_step * steps / seconds, "peak_memory_gib": peak,
@@ -311,242 +259,557 @@ def time_steps(step: Callable[[], float], tokens_per_step: int, steps: int,
     }
 
 
-def label(setup: str, lora: str | None) -> str:
-    """The setup's name in tables and plots; ``lora`` is "LoRA", "QLoRA" or ``None``."""
-    if setup == FULL_TIGON:
-        return "Hugging Face + tigon, full fine-tuning"
-    return LABELS[setup] + (f" + PEFT {lora}" if lora else "")
-
-
-def fit_budget(model, optimizer, batch: int, seq_len: int, budget: str) -> dict:
+def fit_budget(model, optimizer, inputs: dict, budget: str) -> dict:
     """Fits ``model``'s checkpointing to ``budget`` (GiB, or "self": its own peak with every layer
-    recomputed) on a probe batch of the training shape; returns the plan as a result's record."""
+    recomputed) on ``inputs``, a probe batch of the training shape; returns the plan as a result's record."""
     from tigon.transformers import fit_checkpointing
 
-    generator = torch.Generator(device="cuda").manual_seed(1)  # the timed steps' data stay as without probes
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), device="cuda", generator=generator)
-    probe_batch = {"input_ids": tokens, "labels": tokens}
-    plan = fit_checkpointing(model, probe_batch, None if budget == "self" else float(budget), optimizer=optimizer)
+    plan = fit_checkpointing(model, inputs, None if budget == "self" else float(budget), optimizer=optimizer)
     return {
         "budget_gib": plan.budget_gib, "layers_kept": plan.kept, "layers_recomputed": plan.recomputed,
         "probe_peak_gib": plan.peak_gib, "probes_gib": plan.probes,
     }
 
 
-def run_setup(args, setup: str) -> dict:
-    batch, seq_len = args.batch, args.seq_len
-    lora = (args.lora or args.qlora) and setup != FULL_TIGON
-    shape = {"output_router_logits": True} if args.router_aux_loss else {}
-    model = build_model("tigon" if setup == FULL_TIGON else setup, args.layers, model=args.model, **shape)
-    experts = experts_in(model)
-    if lora and args.qlora:
-        model = quantize_4bit(model)
-    if lora:
-        model = with_lora(model)
-    optimizer = new_optimizer(model, args.optimizer, capturable=args.cuda_graph)
-    checkpointing = fit_budget(model, optimizer, batch, seq_len, args.budget_gib) if args.budget_gib else None
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    if args.cuda_graph:
-        step, capture_peak = captured_train_step(model, optimizer, batch, seq_len, generator)
-        timed = time_steps(step, batch * seq_len, args.steps)
-        timed["peak_memory_gib"] = max(timed["peak_memory_gib"], capture_peak)
-    else:
-        timed = time_steps(
-            lambda: train_step(model, optimizer, batch, seq_len, generator), batch * seq_len, args.steps,
-            lambda phase_peaks: train_step(model, optimizer, batch, seq_len, generator, phase_peaks),
-        )
-    result = {
-        "setup": setup, "label": label(setup, "QLoRA" if args.qlora else "LoRA" if args.lora else None),
-        "model": args.model, "lora": lora, "layers": args.layers, "batch": batch,
-        "seq_len": seq_len, "steps": args.steps, "optimizer": f"AdamW ({args.optimizer})",
-        "cuda_graph": args.cuda_graph,
-        **({"experts": experts, "router_aux_loss": args.router_aux_loss} if experts else {}),
-        **timed,
-    }
-    if checkpointing:
-        checkpointing["within_budget"] = result["peak_memory_gib"] <= checkpointing["budget_gib"]
-        result["checkpointing"] = checkpointing
-    if args.memory_profile:
-        result["peak_tensors"] = peak_tensors(model, optimizer, batch, seq_len, generator)
+def longest_sequence(step: Callable[[int, int], float], optimizer, max_len: int) -> int:
+    """The longest sequence (in steps of 4096 from 8192, up to ``max_len``) that ``step(batch,
+    seq_len)`` trains at batch 1 before running out of memory."""
     longest = 0
-    for trial in range(8192, args.max_search + 1, 4096):
+    for trial in range(8192, max_len + 1, 4096):
         try:
-            train_step(model, optimizer, 1, trial, generator)
+            step(1, trial)
             longest = trial
         except torch.OutOfMemoryError:
             break
         finally:
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-    result["longest_seq_len_batch1"] = longest
+    return longest
+
+
+def shard(model) -> None:
+    """FSDP2 over the process group: each decoder layer a unit, the root unit the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def run_train(args, job: Job, device: str) -> dict:
+    """One setup of the default loop in this process (one rank of it under FSDP2)."""
+    import torch.distributed as dist
+
+    sharded = dist.is_initialized()
+    rank = dist.get_rank() if sharded else 0
+    lora = (args.lora or args.qlora) and job.setup != FULL_TIGON
+    shape = {"output_router_logits": True} if args.router_aux_loss else {}
+    model = build_model("tigon" if job.setup == FULL_TIGON else job.setup, args.layers, device, model=job.model,
+                        dtype=torch.float32 if args.smoke else torch.bfloat16, tiny=args.smoke,
+                        attention=args.attn, **shape)
+    result = {"experts": experts_in(model), "parameters": sum(p.numel() for p in model.parameters())}
+    if lora and args.qlora:
+        model = quantize_4bit(model)
+    if lora:
+        model = with_lora(model)
+    if sharded:
+        shard(model)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    optimizer = new_optimizer(model, args.optimizer, capturable=args.cuda_graph)
+    batch_of = batch_maker(job.model, model.config, args.image_side)
+    if args.budget_gib:
+        # On a generator of its own: the timed steps' data stay as without probes.
+        probe = batch_of(args.batch, args.seq_len, torch.Generator(device=device).manual_seed(1))
+        result["checkpointing"] = fit_budget(model, optimizer, probe, args.budget_gib)
+    generator = torch.Generator(device=device).manual_seed(rank)  # under FSDP2, each GPU its own batch
+    tokens_per_step = args.batch * args.seq_len
+    if args.cuda_graph:
+        step, capture_peak = captured_train_step(model, optimizer, lambda: batch_of(args.batch, args.seq_len, generator))
+        result.update(time_steps(step, tokens_per_step, args.warmup, args.steps, device))
+        result["peak_memory_gib"] = max(result["peak_memory_gib"], capture_peak)
+    else:
+        def step(batch=args.batch, seq_len=args.seq_len, phase_peaks=None):
+            return train_step(model, optimizer, batch_of(batch, seq_len, generator), phase_peaks)
+
+        result.update(time_steps(step, tokens_per_step, args.warmup, args.steps, device,
+                                 lambda phase_peaks: step(phase_peaks=phase_peaks)))
+    if "checkpointing" in result:
+        plan = result["checkpointing"]
+        plan["within_budget"] = result["peak_memory_gib"] <= plan["budget_gib"]
+    if args.memory_profile:
+        result["peak_tensors"] = peak_tensors(model, optimizer, batch_of(args.batch, args.seq_len, generator))
+    if args.max_search:
+        result["longest_seq_len_batch1"] = longest_sequence(step, optimizer, args.max_search)
+    if sharded:
+        per_gpu = [None] * dist.get_world_size()
+        dist.all_gather_object(per_gpu, {k: result[k] for k in ("tokens_per_second", "peak_memory_gib", "losses")})
+        peaks = [measured["peak_memory_gib"] for measured in per_gpu]
+        result.update(
+            tokens_per_second=sum(measured["tokens_per_second"] for measured in per_gpu) / len(per_gpu),
+            peak_memory_gib=None if None in peaks else max(peaks), per_gpu=per_gpu,
+        )
+    result["lora"] = "QLoRA" if lora and args.qlora else "LoRA" if lora else None
+    result["optimizer"] = f"AdamW ({args.optimizer})"
+    result["cuda_graph"] = args.cuda_graph
+    if result["experts"] and MODELS[job.model].router_aux_loss:
+        result["router_aux_loss"] = args.router_aux_loss
     return result
 
 
-def plot(results: list[dict], path: Path, device: str) -> None:
+# Jobs, each in a process of its own (one per setup in a smoke run).
+
+
+def job_args(args, job: Job) -> argparse.Namespace:
+    """``args`` with the job's sizes: those given, else the smoke run's or the loop's defaults."""
+    defaults = {**SIZES[job.loop], "layers": MODELS[job.model].layers, "max_search": MODELS[job.model].max_search}
+    if args.smoke:
+        defaults.update(SMOKE)
+    if args.budget is not None or args.cuda_graph or job.gpus > 1 or job.loop != "train":
+        # Probed with eager steps; the search trains eagerly on other shapes; one GPU's memory.
+        defaults["max_search"] = 0
+    resolved = argparse.Namespace(**vars(args))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(resolved, name, value)
+    return resolved
+
+
+def run_job(args, job: Job, device: str) -> dict:
+    """``job`` in this process: its result, or its error (a failing setup is a result, not the end)."""
+    resolved = job_args(args, job)
+    lora = "QLoRA" if args.qlora else "LoRA" if args.lora else None
+    result = {"loop": job.loop, "model": job.model, "setup": job.setup, "gpus": job.gpus,
+              "label": label(job, lora if job.setup != FULL_TIGON else None)}
+    result.update({name: getattr(resolved, name) for name in ("layers", "batch", "seq_len", "warmup", "steps")})
+    if job.loop == "grpo":
+        result.update(prompt_len=resolved.prompt_len, temperature=resolved.temperature)
+    if MODELS[job.model].vision:
+        result["image_side"] = resolved.image_side
+    result["attention"] = attention_for(job.model, device, args.attn)
+    try:
+        if job.loop == "train":
+            result.update(run_train(resolved, job, device))
+        else:
+            run = e2e_trl.run_sft if job.loop == "sft" else e2e_trl.run_grpo
+            result.update(run(resolved, job.model, job.setup, device))
+    except Exception as error:  # noqa: BLE001  (recorded: out of memory, a patch raising, a peer missing)
+        traceback.print_exc()
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        result.update(error=f"{type(error).__name__}: {first_line}"[:500], traceback=traceback.format_exc()[-3000:])
+    return result
+
+
+def run_child(args) -> int:
+    """The ``--child`` process: its jobs one after the other; rank 0 prints their results."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    jobs = [Job.parse(text) for text in args.child]
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        import torch.distributed as dist
+
+        if device == "cuda":
+            local_rank = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+    results = []
+    for job in jobs:
+        results.append(run_job(args, job, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if distributed:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank:
+            return 0
+    print("RESULT " + json.dumps(results))
+    return 0
+
+
+def launch(command: list[str], what: str, timeout: float) -> list[dict] | None:
+    """Run a child command; its results are the JSON after its last ``RESULT `` line."""
+    # In a session of its own, so that a run past its time goes with all its processes (the ranks
+    # torchrun started would otherwise hold their GPUs).
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        print(f"{what}: timed out after {timeout:.0f} s\n{stderr[-4000:]}", flush=True)
+        return None
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if child.returncode or not lines:
+        print(f"{what}: failed (exit {child.returncode})\n{stderr[-4000:]}", flush=True)
+        return None
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def child_command(argv: list[str], jobs: list[Job], gpus: int, budget: str | None) -> list[str]:
+    """This command again (its options as given), as the process running ``jobs``: torchrun's
+    ``gpus`` processes above 1."""
+    launcher = [sys.executable]
+    if gpus > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
+    return [*launcher, "-m", "tigon.bench.e2e", *argv, "--child", *map(str, jobs),
+            *(["--budget-gib", budget] if budget else [])]
+
+
+def plan_jobs(args) -> list[list[Job]]:
+    """The jobs, grouped by process: one each on a GPU; in a smoke run one process per (GPU count,
+    setup) runs every model and loop of that setup. Hugging Face's first, then the setups in the
+    order given, each model and loop in turn."""
+    loops = args.trl or ["train"]
+    jobs = []
+    for gpus in args.gpus:
+        for model in args.model:
+            for loop in loops:
+                setups = list(args.setups or DEFAULT_SETUPS[loop])
+                setups.sort(key=lambda setup: setup != "hf")
+                if loop == "train" and (args.lora or args.qlora):
+                    setups.append(FULL_TIGON)
+                jobs += [Job(loop, model, setup, gpus) for setup in setups]
+    if not args.smoke:
+        return [[job] for job in jobs]
+    groups: dict[tuple[int, str], list[Job]] = {}
+    for job in jobs:
+        groups.setdefault((job.gpus, job.setup), []).append(job)
+    return list(groups.values())
+
+
+# Results.
+
+
+def add_comparisons(results: list[dict]) -> None:
+    """Against the ``hf`` row of the same GPU count: speed-up, memory (overall and per phase), the
+    first step's loss and the largest difference of a step's loss."""
+    for r in results:
+        base = next((b for b in results if b["setup"] == "hf" and b["gpus"] == r["gpus"] and "error" not in b), None)
+        if base is None or "error" in r:
+            continue
+        r["speedup_vs_hf"] = r["tokens_per_second"] / base["tokens_per_second"]
+        if r["peak_memory_gib"] is not None and base["peak_memory_gib"]:
+            r["memory_vs_hf"] = r["peak_memory_gib"] / base["peak_memory_gib"]
+        phases = base.get("peak_memory_by_phase_gib") or {}
+        if r.get("peak_memory_by_phase_gib") and phases:
+            r["memory_vs_hf_by_phase"] = {
+                phase: peak / phases[phase] for phase, peak in r["peak_memory_by_phase_gib"].items() if phase in phases
+            }
+        if r.get("losses") and base.get("losses"):
+            r["step0_loss_rel_diff_vs_hf"] = abs(r["losses"][0] - base["losses"][0]) / abs(base["losses"][0])
+            r["max_loss_diff_vs_hf"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(record: dict) -> None:
+    results = record["results"]
+    print(f"\n{record['title']}, {record['loop']}" + (" (smoke run: the timings mean nothing)" if record["smoke"] else ""))
+    columns = [("tokens/s", "tokens_per_second", ",.0f"), ("speed-up", "speedup_vs_hf", ".2f"),
+               ("peak GiB", "peak_memory_gib", ".2f"), ("memory", "memory_vs_hf", ".0%")]
+    if record["loop"] == "grpo":
+        columns += [("ms", "ms_per_step", ".1f"), ("mean logp", "mean_log_prob", ".5f"),
+                    ("grad norm", "grad_norm", ".4f")]
+    else:
+        columns += [("step-0 loss", "losses", ".6f")]
+    if any(r.get("longest_seq_len_batch1") for r in results):
+        columns.append(("longest T @ B=1", "longest_seq_len_batch1", ","))
+    width = max(len(r["label"]) for r in results) + 2
+    print(f"{'setup':<{width}}" + "".join(f"{heading:>16}" for heading, _, _ in columns))
+    for r in results:
+        if "error" in r:
+            print(f"{r['label']:<{width}}failed: {r['error']}")
+            continue
+        cells = [_cell(r.get(key)[0] if key == "losses" else r.get(key), spec) for _, key, spec in columns]
+        print(f"{r['label']:<{width}}" + "".join(f"{cell:>16}" for cell in cells))
+    for r in results:
+        if "error" in r:
+            continue
+        notes = []
+        if r.get("peak_memory_by_phase_gib"):
+            notes.append(f"peak by phase (GiB): {({k: round(v, 2) for k, v in r['peak_memory_by_phase_gib'].items()})}")
+        if r.get("experts"):
+            notes.append(f"experts: {r['experts']}")
+        if r.get("head"):
+            notes.append(f"head: {r['head']}" + (f" ({r['head_mode']})" if r.get("head_mode") else ""))
+        if "checkpointing" in r:
+            plan = r["checkpointing"]
+            notes.append(f"recomputes {plan['layers_recomputed']} of {plan['layers_recomputed'] + plan['layers_kept']} "
+                         f"layers within {plan['budget_gib']:.2f} GiB; probe peak {plan['probe_peak_gib']:.2f}, "
+                         f"timed peak {r['peak_memory_gib']:.2f} GiB")
+        if notes:
+            print(f"{r['label']}: " + "; ".join(notes))
+        for row in r.get("peak_tensors", []):
+            print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
+    diffs = {r["label"]: r["step0_loss_rel_diff_vs_hf"] for r in results if r["setup"] != "hf"
+             and "step0_loss_rel_diff_vs_hf" in r}
+    if diffs:
+        print(f"step-0 loss vs Hugging Face's, relative: max {max(diffs.values()):.2e}")
+
+
+def plot(record: dict, path: Path) -> None:
+    """Tokens/s, peak memory, the longest sequence (when searched) and the loss per step of every setup."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = record["results"]
     labels = [
-        r["label"].replace("Hugging Face", "HF").replace(" + ", "\n+ ").replace(", full fine-tuning", "\n(full FT)")
+        r["label"].replace("Hugging Face", "HF").replace(" + ", "\n+ ").replace(", ", ",\n")
         + (f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers" if "checkpointing" in r else "")
         for r in results
     ]
     first = results[0]
     graphed = ", one CUDA graph per step" if first.get("cuda_graph") else ""
-    panels = [
-        ("tokens_per_second", f"tokens/s (batch {first['batch']} × {first['seq_len']}{graphed})"),
-        ("peak_memory_gib", "peak memory (GiB)"),
-    ]
-    if any(r["longest_seq_len_batch1"] for r in results):  # searched unless --max-search 0
+    per_gpu = " per GPU" if any(r["gpus"] > 1 for r in results) else ""
+    panels = [("tokens_per_second", f"tokens/s{per_gpu} (batch {first['batch']} × {first['seq_len']}{graphed})")]
+    if any(r.get("peak_memory_gib") for r in results):  # none on the CPU
+        panels.append(("peak_memory_gib", f"peak memory{per_gpu} (GiB)"))
+    if any(r.get("longest_seq_len_batch1") for r in results):
         panels.append(("longest_seq_len_batch1", "longest sequence at batch 1"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    for ax, (key, title) in zip(axes, panels):
-        ax.bar(labels, [r[key] for r in results], color=["tab:gray", "tab:blue", "tab:orange", "tab:olive"][: len(results)])
-        ax.tick_params(axis="x", labelsize=8)
-        ax.set_title(title)
-        for i, r in enumerate(results):
-            ax.annotate(f"{r[key]:,.0f}" if r[key] > 100 else f"{r[key]:.1f}", (i, r[key]), ha="center", va="bottom")
-    what = "full fine-tuning"
-    if results[0]["lora"]:
-        what = f"PEFT {'QLoRA (NF4 base)' if 'QLoRA' in results[0]['label'] else 'LoRA'} r 16 on all linear layers"
+    with_losses = [r for r in results if len(r.get("losses", [])) > 1]
+    fig, axes = plt.subplots(1, len(panels) + bool(with_losses), figsize=(5.5 * (len(panels) + bool(with_losses)), 4.5),
+                             squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        values = [r.get(key) or 0 for r in results]
+        ax.bar(range(len(results)), values, color=[COLORS.get(r["setup"], "tab:green") for r in results])
+        ax.set_xticks(range(len(results)), labels, fontsize=7)
+        ax.set_title(title, fontsize=10)
+        for i, (r, value) in enumerate(zip(results, values)):
+            text = "failed" if "error" in r else "-" if not value else f"{value:,.0f}" if value > 100 else f"{value:.1f}"
+            ax.annotate(text, (i, value), ha="center", va="bottom", fontsize=8)
+    if with_losses:
+        # Hugging Face's losses as a thick line, the others drawn over it: where they agree, they overlap.
+        ax = axes[0, -1]
+        for r in with_losses:
+            hf = r["setup"] == "hf"
+            ax.plot(r["losses"], marker="o", label=r["label"].replace("Hugging Face", "HF"),
+                    color=COLORS.get(r["setup"], "tab:green"), linewidth=4 if hf else 1.5, alpha=0.5 if hf else 1.0)
+        ax.set(title="loss per step (same data and initial weights)", xlabel="step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7)
+    config = record["config"]
+    what = {"train": "training step", "sft": "TRL SFTTrainer", "grpo": "GRPO log-probs, forward + backward"}
+    lora = first.get("lora")
+    if lora:
+        what["train"] = f"PEFT {'QLoRA (NF4 base)' if lora == 'QLoRA' else 'LoRA'} r 16 on all linear layers"
     checkpointing = "gradient checkpointing"
     if "checkpointing" in first:
         checkpointing = f"checkpointing fitted to {first['checkpointing']['budget_gib']:.1f} GiB"
-    fig.suptitle(f"{first['layers']}-layer {MODELS[first['model']].title} shapes, bf16, {what}, {first['optimizer']}, "
-                 f"{checkpointing} — {device}")
+    model = f"tiny stand-in for {record['title']}" if record["smoke"] else f"{first['layers']}-layer {record['title']} shapes"
+    fig.suptitle(f"{model}, {config['dtype']}, {what[record['loop']]}, {checkpointing} — {record['environment']['device']}"
+                 + (" (smoke run: timings mean nothing)" if record["smoke"] else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tigon bench e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(MODELS), default="llama", help="whose layer shapes (default: llama)")
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    parser.add_argument("--layers", type=int, default=None, help="default: 4, the whole model for llama_1b")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--max-search", type=int, default=65536)
-    parser.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
-    parser.add_argument("--memory-profile", action="store_true")
-    parser.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters; adds tigon's full fine-tuning")
-    parser.add_argument("--qlora", action="store_true", help="as --lora over a bitsandbytes 4-bit NF4 base")
-    parser.add_argument("--router-aux-loss", action="store_true",
-                        help="with --model qwen3_moe: add the router's auxiliary loss (off in the released config)")
-    parser.add_argument("--budget", default=None,
-                        help="'hf' or GiB: each setup at its best per-layer checkpointing within this peak")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="capture each setup's whole training step as one CUDA graph and replay it")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--child", choices=(*SETUPS, FULL_TIGON), help=argparse.SUPPRESS)
-    parser.add_argument("--budget-gib", default=None, help=argparse.SUPPRESS)  # a child's: GiB, or "self"
-    args = parser.parse_args(argv)
-    if args.layers is None:
-        args.layers = MODELS[args.model].layers
+def file_stem(args, model: str, loop: str) -> str:
+    name = f"e2e_{model}" + (f"_trl_{loop}" if loop != "train" else "")
+    name += "_qlora" if args.qlora else "_lora" if args.lora else ""
+    if args.router_aux_loss:
+        name += "_aux_loss"
     if args.budget is not None:
-        if args.budget != "hf" and not _is_positive_number(args.budget):
+        name += f"_budget_{args.budget}"
+    if not args.smoke and (args.batch or 4, args.seq_len or 4096) != (4, 4096):
+        name += f"_b{args.batch or 4}x{args.seq_len or 4096}"
+    if args.cuda_graph:
+        name += "_graph"
+    if any(gpus > 1 for gpus in args.gpus):
+        name += "_fsdp2"
+    return name
+
+
+def new_record(args, model: str, loop: str, device: str) -> dict:
+    return {
+        "model": model, "title": MODELS[model].title, "loop": loop, "smoke": args.smoke,
+        "environment": environment(device),
+        "config": {"dtype": "fp32" if args.smoke else "bf16", "gpus": args.gpus,
+                   "optimizer": f"AdamW ({args.optimizer})" if loop == "train" else "adamw_torch_fused",
+                   "gradient_checkpointing": "non-reentrant"},
+        "results": [],
+    }
+
+
+# The command.
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="tigon bench e2e", description=__doc__.splitlines()[0] + " See python -m pydoc tigon.bench.e2e.",
+    )
+    what = parser.add_argument_group("what is trained")
+    what.add_argument("--model", nargs="+", choices=list(MODELS), default=["llama"], metavar="MODEL",
+                      help=f"whose layer shapes, one result file each: {', '.join(MODELS)} (default: llama)")
+    what.add_argument("--setups", nargs="+", choices=SETUPS, metavar="SETUP",
+                      help="hf, liger, tigon; tigon_head (tigon's kernel behind TRL's head) with --trl. "
+                      "Default: hf liger tigon; hf tigon_head tigon for --trl grpo")
+    what.add_argument("--trl", nargs="+", choices=e2e_trl.LOOPS, metavar="LOOP",
+                      help="train under TRL instead: sft (SFTTrainer), grpo (GRPO's policy log-probs, forward + "
+                      "backward); Llama models only")
+    what.add_argument("--gpus", nargs="+", type=int, default=[1], metavar="N",
+                      help="train each setup on each of these GPU counts, under FSDP2 above 1 (torchrun; gloo on "
+                      "the CPU with --smoke) (default: 1)")
+    what.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters; adds tigon's full fine-tuning")
+    what.add_argument("--qlora", action="store_true", help="as --lora over a bitsandbytes 4-bit NF4 base")
+    what.add_argument("--router-aux-loss", action="store_true",
+                      help="with --model qwen3_moe: add the router's auxiliary loss (off in the released config)")
+    what.add_argument("--budget", help="'hf' (Hugging Face's peak) or GiB: each setup at its best per-layer "
+                      "checkpointing within this peak")
+    what.add_argument("--cuda-graph", action="store_true",
+                      help="capture each setup's whole training step as one CUDA graph and replay it")
+    what.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                      help="PyTorch's AdamW implementation (default: fused; the TRL loops use the trainer's fused one)")
+    what.add_argument("--attn", help="attn_implementation of every model (default: sdpa; flex_attention for "
+                      "gpt_oss, eager on the CPU)")
+    sizes = parser.add_argument_group("sizes (defaults: the smoke run's with --smoke)")
+    sizes.add_argument("--layers", type=int, help="decoder layers (default: 4; 16, the whole model, for llama_1b; 2 "
+                       "with --smoke)")
+    sizes.add_argument("--batch", type=int, help="sequences per step, per GPU (default: 4; 2 with --smoke)")
+    sizes.add_argument("--seq-len", type=int, help="tokens per sequence (default: 4096; 64 with --smoke)")
+    sizes.add_argument("--warmup", type=int, help="steps before the timed ones (default: 2; 3 for --trl sft; 1 "
+                       "with --smoke)")
+    sizes.add_argument("--steps", type=int, help="timed steps (default: 6; 10 for --trl sft, 5 for --trl grpo; 2 "
+                       "with --smoke)")
+    sizes.add_argument("--max-search", type=int,
+                       help="longest sequence tried at batch 1, 0 for none (default: 65536 for llama, llama_1b and "
+                       "qwen3_moe, 0 for the others and with --smoke, --budget, --cuda-graph, --gpus above 1, --trl)")
+    sizes.add_argument("--image-side", type=int, help="pixels of each sample's square image, qwen2_5_vl (default: "
+                       "448; 168 with --smoke)")
+    sizes.add_argument("--prompt-len", type=int, help="prompt tokens of each --trl grpo sequence (default: 512; 16 "
+                       "with --smoke)")
+    sizes.add_argument("--temperature", type=float, default=1.0, help="--trl grpo's sampling temperature (default: 1.0)")
+    run = parser.add_argument_group("the run")
+    run.add_argument("--smoke", action="store_true",
+                     help="tiny fp32 models, on the CPU without a GPU: checks the code paths, times nothing")
+    run.add_argument("--memory-profile", action="store_true",
+                     help="add the largest tensors alive at each setup's peak and where they were allocated")
+    run.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds each setup's process may take (default: {TIMEOUT_S})")
+    run.add_argument("--out", type=Path, help="results folder (default: tigon-out/bench-<gpu> of the working "
+                     "directory; tigon-out/bench-smoke with --smoke)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-gib", help=argparse.SUPPRESS)  # a child's: GiB, or "self"
+    args = parser.parse_args(argv)
+    args.model = list(dict.fromkeys(args.model))
+    return parser, args
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """The combinations that cannot run, refused by name."""
+    lora = args.lora or args.qlora
+    gpu_only = [name for name, given in (("--budget", args.budget is not None), ("--cuda-graph", args.cuda_graph),
+                                         ("--qlora", args.qlora), ("--memory-profile", args.memory_profile)) if given]
+    if args.budget is not None:
+        if args.budget != "hf" and not _positive_number(args.budget):
             parser.error(f"--budget takes 'hf' or a number of GiB, got {args.budget!r}")
-        if args.budget == "hf" and "hf" not in args.setups:
+        if args.budget == "hf" and args.setups and "hf" not in args.setups:
             parser.error("--budget hf needs the hf setup (--setups hf ...)")
-        if args.lora or args.qlora:
+        if lora:
             parser.error("--budget trains full fine-tuning only")
-    if args.cuda_graph and (args.lora or args.qlora):
+    if args.cuda_graph and lora:
         parser.error("--cuda-graph trains full fine-tuning only")
     if args.cuda_graph and args.budget is not None:
         # The plan is probed with eager steps; a captured step also holds its graph's private memory
         # pool (1.1 GiB over the budget for the 1B at batch 1 x 1024), so the budget would not hold.
         parser.error("--cuda-graph and --budget do not combine: the budget is probed with eager steps")
-    if args.model not in ("llama", "llama_1b") and (args.lora or args.qlora):
-        parser.error("--lora and --qlora train the Llama model only")
-    if args.router_aux_loss and not MODELS[args.model].experts:
+    llama = {"llama", "llama_1b"}
+    if lora and not set(args.model) <= llama:
+        parser.error("--lora and --qlora train the Llama models only (--model llama llama_1b)")
+    if args.router_aux_loss and not any(MODELS[model].router_aux_loss for model in args.model):
         parser.error("--router-aux-loss needs a mixture of experts (--model qwen3_moe)")
-    if not torch.cuda.is_available():
-        print("tigon bench e2e trains on a GPU; no CUDA device is available here.")
-        return 1
+    if args.trl:
+        if not set(args.model) <= llama:
+            parser.error("--trl trains the Llama models only (--model llama llama_1b)")
+        for option, given in (("--lora", args.lora), ("--qlora", args.qlora), ("--budget", args.budget is not None),
+                              ("--cuda-graph", args.cuda_graph), ("--memory-profile", args.memory_profile),
+                              ("--router-aux-loss", args.router_aux_loss), ("--gpus above 1", max(args.gpus) > 1)):
+            if given:
+                parser.error(f"--trl and {option} do not combine: TRL's trainer runs its own loop")
+    elif args.setups and "tigon_head" in args.setups:
+        parser.error("the tigon_head setup patches TRL's head: it needs --trl")
+    if min(args.gpus) < 1:
+        parser.error(f"--gpus takes counts of at least 1, got {args.gpus}")
+    if max(args.gpus) > 1:
+        for option, given in (("--lora", args.lora), ("--qlora", args.qlora), ("--budget", args.budget is not None),
+                              ("--cuda-graph", args.cuda_graph), ("--memory-profile", args.memory_profile)):
+            if given:
+                parser.error(f"--gpus above 1 and {option} do not combine")
+    for name in ("layers", "batch", "seq_len", "steps", "image_side", "prompt_len"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} takes at least 1, got {getattr(args, name)}")
+    if args.warmup is not None and args.warmup < (1 if args.trl else 0):
+        parser.error(f"--warmup takes at least {1 if args.trl else 0} here, got {args.warmup}")
+    if args.smoke and gpu_only:
+        parser.error(f"{', '.join(gpu_only)} measure(s) a GPU: not with --smoke")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, args = parse_args(argv)
+    check_args(parser, args)
     if args.child:
-        result = run_setup(args, args.child)
-        print("RESULT " + json.dumps(result))
-        return 0
-
-    from tigon.bench.command import _default_out
-
-    out = args.out or _default_out(False, torch.cuda.get_device_name())
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    lora = args.lora or args.qlora
-    setups = [*args.setups, *[FULL_TIGON] * lora]
-    if args.budget is not None:  # Hugging Face first: its peak may be the budget
-        setups.sort(key=lambda setup: setup != "hf")
-        args.max_search = 0
-    if args.cuda_graph:  # the longest-sequence search trains eagerly, on other shapes
-        args.max_search = 0
-    budget = args.budget
-    for setup in setups:
-        if args.budget == "hf":
-            budget = "self" if setup == "hf" else str(results[0]["checkpointing"]["budget_gib"]) if results else None
-            if budget is None:
-                print("Hugging Face's run failed: no budget to fit the others to")
-                return 1
-        command = [
-            sys.executable, "-m", "tigon.bench.e2e", "--child", setup, "--model", args.model,
-            "--layers", str(args.layers),
-            "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-            "--max-search", str(args.max_search), "--optimizer", args.optimizer,
-            *["--lora"] * args.lora, *["--qlora"] * args.qlora, *["--memory-profile"] * args.memory_profile,
-            *["--router-aux-loss"] * args.router_aux_loss, *(["--budget-gib", budget] if budget else []),
-            *["--cuda-graph"] * args.cuda_graph,
-        ]
-        completed = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if completed.returncode or not lines:
-            print(f"{setup}: failed (exit {completed.returncode})\n{completed.stderr[-3000:]}")
-            continue
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
-    if not results:
+        return run_child(args)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.smoke:
+        print("tigon bench e2e trains on a GPU; no CUDA device is available here. "
+              "`tigon bench e2e --smoke` runs tiny models on the CPU (it times nothing).")
         return 1
-    base = next((r for r in results if r["setup"] == "hf"), results[0])
-    print(f"{'setup':<42}{'tokens/s':>10}{'speed-up':>10}{'peak GiB':>10}{'memory':>9}{'longest T @ B=1':>17}")
-    for r in results:
-        r["memory_vs_hf_by_phase"] = {
-            phase: peak / base["peak_memory_by_phase_gib"][phase] for phase, peak in r["peak_memory_by_phase_gib"].items()
-        }
-        r["speedup_vs_hf"] = r["tokens_per_second"] / base["tokens_per_second"]
-        r["memory_vs_hf"] = r["peak_memory_gib"] / base["peak_memory_gib"]
-        print(f"{r['label']:<42}{r['tokens_per_second']:>10,.0f}{r['speedup_vs_hf']:>9.2f}x{r['peak_memory_gib']:>10.1f}"
-              f"{r['memory_vs_hf']:>9.0%}{r['longest_seq_len_batch1']:>17,}")
-    for r in results:
-        if "checkpointing" in r:
-            plan = r["checkpointing"]
-            print(f"{r['label']}: recomputes {plan['layers_recomputed']} of "
-                  f"{plan['layers_recomputed'] + plan['layers_kept']} layers within {plan['budget_gib']:.2f} GiB; "
-                  f"probe peak {plan['probe_peak_gib']:.2f}, timed peak {r['peak_memory_gib']:.2f} GiB")
-        phases = {k: round(v, 2) for k, v in r["peak_memory_by_phase_gib"].items()}
-        print(f"{r['label']} peak by phase (GiB): {phases}" + (f"; experts: {r['experts']}" if "experts" in r else ""))
-        for row in r.get("peak_tensors", []):
-            print(f"  {row['mib']:9.1f} MiB  " + " <- ".join(row["frames"]))
-    name = f"e2e_{args.model}" + ("_qlora" if args.qlora else "_lora" if args.lora else "")
-    if args.router_aux_loss:
-        name += "_aux_loss"
-    if args.budget is not None:
-        name += f"_budget_{args.budget}"
-    if (args.batch, args.seq_len) != (4, 4096):
-        name += f"_b{args.batch}x{args.seq_len}"
-    if args.cuda_graph:
-        name += "_graph"
-    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / f"{name}.png", torch.cuda.get_device_name())
-    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}")
-    return 0
-
-
-def _is_positive_number(text: str) -> bool:
-    try:
-        return float(text) > 0
-    except ValueError:
-        return False
+    if on_gpu and max(args.gpus) > torch.cuda.device_count():
+        parser.error(f"--gpus {max(args.gpus)}: this machine has {torch.cuda.device_count()} GPU(s)")
+    device = "cuda" if on_gpu else "cpu"
+    gpu = torch.cuda.get_device_name() if on_gpu else None
+    out = args.out or default_out(args.smoke, gpu)
+    out.mkdir(parents=True, exist_ok=True)
+    records = {(model, loop): new_record(args, model, loop, device) for model in args.model for loop in args.trl or ["train"]}
+    for group in plan_jobs(args):
+        what = f"{group[0].setup} on {group[0].gpus} GPU(s)" if on_gpu else f"{group[0].setup}"
+        what += f": {', '.join(f'{job.loop} {job.model}' for job in group)}"
+        print(f"{what} ...", flush=True)
+        budget = args.budget
+        if args.budget == "hf":
+            # Hugging Face's own peak is the budget: it runs first and fits itself ("self").
+            base = next((r for r in records[group[0].model, group[0].loop]["results"] if r["setup"] == "hf"), None)
+            if group[0].setup == "hf":
+                budget = "self"
+            elif base is None or "checkpointing" not in base:
+                print(f"{group[0].model}: Hugging Face's run failed: no budget to fit {group[0].setup} to")
+                continue
+            else:
+                budget = str(base["checkpointing"]["budget_gib"])
+        results = launch(child_command(argv, group, group[0].gpus, budget), what, args.timeout) or [
+            {"loop": job.loop, "model": job.model, "setup": job.setup, "gpus": job.gpus, "label": label(job),
+             "error": "its process failed (see the log)"} for job in group
+        ]
+        for result in results:
+            record = records[result["model"], result["loop"]]
+            record["results"].append(result)
+            add_comparisons(record["results"])
+            summary = {k: v for k, v in result.items() if k not in ("traceback", "losses", "grad_norms", "entropy",
+                                                                    "per_gpu", "peak_tensors")}
+            print(json.dumps(summary), flush=True)
+            # Written after every process: a run cut short keeps what it measured.
+            (out / f"{file_stem(args, result['model'], result['loop'])}.json").write_text(json.dumps(record, indent=2))
+    for (model, loop), record in records.items():
+        if not record["results"]:
+            continue
+        print_table(record)
+        stem = file_stem(args, model, loop)
+        plot(record, out / f"{stem}.png")
+        print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
+    measured = [r for record in records.values() for r in record["results"] if "error" not in r]
+    return 0 if measured else 1
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ What is measured, per block and provider (bf16 on a GPU):
 
 Ratios: ``vs grouped_mm`` and ``vs Liger`` are their time divided by this row's (above 1: faster).
 Writes ``moe_blocks.json`` and ``moe_blocks.png`` (``moe_blocks-<blocks>.*`` for a subset of the blocks)
-into ``--out`` (``tigon bench``'s folder by default) and prints markdown tables. Each row also records
-the wall-clock of its first, compiling call (``first_call_s``: Liger autotunes there).
+into ``--out`` (``tigon bench``'s folder by default: ``tigon-out/bench-<gpu>`` of the working
+directory) and prints markdown tables. Each row also records the wall-clock of its first,
+compiling call (``first_call_s``: Liger autotunes there).
 
 Without a GPU (or with ``--smoke``) every block runs at tiny shapes (fp32 on the CPU, where Triton
 runs its interpreter; Liger's fused MoE with its autotuning off, which needs a GPU), each provider
@@ -60,7 +61,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.metadata
 import json
 import os
 import sys
@@ -75,6 +75,7 @@ import triton
 
 import tigon
 from tigon.bench import runner
+from tigon.bench.machine import default_out, run_device, version
 
 REFERENCE = "grouped_mm"
 PROVIDERS = (REFERENCE, "batched_mm", "liger", "tigon")
@@ -457,13 +458,6 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tigon bench moe",
@@ -471,12 +465,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "experts against transformers' grouped_mm and batched_mm and Liger-Kernel's fused MoE; time, peak memory, "
         "TFLOP/s and errors against grouped_mm. Without a GPU, a tiny smoke run that times nothing.",
     )
-    parser.add_argument("--blocks", nargs="+", choices=list(BLOCKS), default=list(BLOCKS))
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS),
-                        help="grouped_mm, the reference of the errors and ratios, always runs")
+    parser.add_argument("--blocks", nargs="+", choices=list(BLOCKS), default=list(BLOCKS), metavar="BLOCK",
+                        help=f"the families' MoE blocks: {', '.join(BLOCKS)} (default: all)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
+                        help=f"{', '.join(PROVIDERS)} (default: all); grouped_mm, the reference of the errors and "
+                        "ratios, always runs")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, one call each, no timings (the default without a GPU)")
-    parser.add_argument("--out", type=Path, help="results folder (default: tigon bench's)")
+    parser.add_argument("--out", type=Path, help="results folder (default: tigon-out/bench-<gpu> of the working "
+                        "directory, tigon-out/bench-smoke for smoke runs; committed results: --out "
+                        "benchmarks/results/<gpu>)")
     args = parser.parse_args(argv)
     args.providers = list(dict.fromkeys([REFERENCE, *args.providers]))
     args.blocks = [name for name in BLOCKS if name in args.blocks]
@@ -484,8 +482,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tigon.bench.command import _default_out, run_device
-
     args = parse_args(argv)
     started = time.perf_counter()
     smoke, device, gpu = run_device(args.smoke)
@@ -508,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": smoke, "gpu": gpu, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "matmul_tflops": matmul_tflops,
         "versions": {"tigon": tigon.__version__, "torch": torch.__version__, "triton": triton.__version__,
-                     "transformers": _version("transformers"), "liger-kernel": _version("liger-kernel")},
+                     "transformers": version("transformers"), "liger-kernel": version("liger-kernel")},
         "timing": None if smoke else (
             f"triton.testing.do_bench median (warm-up {WARMUP_MS} ms, {REP_MS} ms of calls, L2 flushed and "
             "gradients reset to None before each call) after one compiling call"
@@ -520,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": "max |a - b| and max |a - b| / max |b| against grouped_mm's output and gradients",
         "blocks": {name: block_meta(name, BLOCKS[name].smoke if smoke else BLOCKS[name].shape) for name in args.blocks},
     }
-    out = args.out or _default_out(smoke, gpu)
+    out = args.out or default_out(smoke, gpu)
     out.mkdir(parents=True, exist_ok=True)
     stem = "moe_blocks" + ("" if args.blocks == list(BLOCKS) else "-" + "-".join(args.blocks))
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
