@@ -73,56 +73,73 @@ def _norm(norm) -> str:
     if norm.offset:
         details.append(f"{norm.offset:g} + weight")
     if norm.kind != "layer" and norm.casting != "llama":
-        details.append(f"{norm.casting} casting")
-    suffix = f" ({', '.join(details)})" if details else ""
-    return f"`{norm.name}`: {kernel}{suffix}"
-
-
-def _rope(rope) -> str:
-    return f"`{rope.name}`: {ROPE_FORMS.get(rope.form, rope.form)}"
+        details.append("scaled in fp32")  # Gemma's casting: the weight applied before rounding
+    return kernel + (f" ({', '.join(details)})" if details else "")
 
 
 def _mlp(mlp) -> str:
-    return f"`{mlp.name}`: {GATES.get(mlp.gate, mlp.gate)}{LAYOUTS.get(mlp.layout, ', ' + mlp.layout)}"
+    return GATES.get(mlp.gate, mlp.gate) + LAYOUTS.get(mlp.layout, f", {mlp.layout}")
 
 
 def _head(family) -> str:
     if family.head is None:
-        return "none (patched inside the model that holds it)"
+        return "— (a vision tower)"
     settings = [
         (family.logit_softcap, "softcap"),
-        (family.logit_divisor, "logits divided by"),
-        (family.logit_multiplier, "logits multiplied by"),
-        (family.aux_loss_coef, "router loss"),
+        (family.logit_divisor, "logits ÷"),
+        (family.logit_multiplier, "logits ×"),
+        (family.aux_loss_coef, "+ router loss"),
     ]
     extras = [f"{what} `{field}`" for field, what in settings if field]
-    return f"`{family.head}`: fused linear cross entropy" + "".join(f"; {extra}" for extra in extras)
+    return "fused linear CE" + "".join(f"; {extra}" for extra in extras)
 
 
 def _cell(items) -> str:
-    return "<br>".join(items) if items else "—"
+    unique = list(dict.fromkeys(items))  # several classes may share one kernel variant
+    return "<br>".join(unique) if unique else "—"
 
 
 def families_matrix(families: dict) -> str:
-    """The support matrix as a Markdown table, one row per family in the table's order."""
-    lines = [
-        "| model type | kind | norms | RoPE | MLP | MoE experts | loss head | layer flags |",
-        "|---|---|---|---|---|---|---|---|",
+    """The support matrix as Markdown: which kernel computes each kind of layer of each family,
+    then which classes and functions of its modeling module each row replaces."""
+    kernels = [
+        "| model type | kind | norms | RoPE | MLP | MoE experts | loss with labels |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    replaced = [
+        "| model type | modeling module | replaced | loss head | layer flags |",
+        "|---|---|---|---|---|",
     ]
     for model_type, family in families.items():
-        flags = sorted({row.flag for row in family.sub_rows()})
         cells = [
             f"`{model_type}`",
             _kind(family),
             _cell([_norm(norm) for norm in family.norms]),
-            _cell([_rope(rope) for rope in family.ropes]),
+            _cell([ROPE_FORMS.get(rope.form, rope.form) for rope in family.ropes]),
             _cell([_mlp(mlp) for mlp in family.mlps]),
-            _cell([f"`{experts.name}`: fused MoE" for experts in family.experts]),
+            "fused MoE" if family.experts else "—",
             _head(family),
+        ]
+        kernels.append("| " + " | ".join(cells) + " |")
+        names = list(dict.fromkeys(row.name for row in family.sub_rows()))
+        flags = sorted({row.flag for row in family.sub_rows()})
+        cells = [
+            f"`{model_type}`",
+            f"`{family.module.removeprefix('transformers.models.')}`",
+            ", ".join(f"`{name}`" for name in names) or "—",
+            f"`{family.head}`" if family.head else "—",
             ", ".join(f"`{flag}`" for flag in flags) or "—",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        replaced.append("| " + " | ".join(cells) + " |")
+    return "\n".join(
+        [*kernels, "", "## What each row replaces", "", MODULE_NOTE, "", *replaced]
+    )
+
+
+MODULE_NOTE = (
+    "The modeling module is under `transformers.models`. The layer flags are the patcher's flags "
+    "that change a layer of the family."
+)
 
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
