@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tigon.functional as tf
+import tigon.nn
 from utils import DEVICE, randn
 
 OTHER_DEVICE = torch.device("meta")
@@ -59,7 +60,8 @@ def test_cross_entropy_errors():
     _raises(ValueError, r"lse_square_scale must be >= 0", tf.cross_entropy, logits, target, lse_square_scale=-1.0)
     bad = target.clone()
     bad[2] = 11
-    _raises(ValueError, r"target contains 11, outside \[0, V\) for V = 11 classes", tf.cross_entropy, logits, bad)
+    _raises(ValueError, r"^target contains 11, outside \[0, V\) for the vocabulary size V = 11, and is not "
+            r"ignore_index \(-100\)$", tf.cross_entropy, logits, bad)
     bad[2] = -5
     _raises(ValueError, r"target.*-5", tf.cross_entropy, logits, bad)
 
@@ -76,6 +78,29 @@ def test_fused_linear_cross_entropy_errors():
     bad = target.clone()
     bad[0] = 11
     _raises(ValueError, r"target.*11", tf.fused_linear_cross_entropy, x, weight, bad)
+
+
+@pytest.mark.parametrize("module", [False, True])
+@pytest.mark.parametrize("token_shape", [(5,), (2, 5)])
+def test_fused_linear_cross_entropy_names_a_swapped_input_and_weight(module, token_shape):
+    # Liger's (lin_weight, _input, target): with the two exchanged, the shapes fit only swapped.
+    x, weight = randn(*token_shape, 8), randn(11, 8)
+    target = torch.randint(0, 11, token_shape, device=DEVICE)
+    loss_fn = tigon.nn.FusedLinearCrossEntropyLoss() if module else tf.fused_linear_cross_entropy
+    _raises(ValueError, rf"^input \(11, 8\) and weight \({', '.join(map(str, x.shape))}\) look swapped: target "
+            r".*Did you pass \(weight, input\)\? tigon takes \(input, weight, target\)", loss_fn, weight, x, target)
+    _raises(ValueError, r"look swapped", tf.fused_linear_logprobs, weight, x, target)
+
+
+def test_loss_options_are_keyword_only():
+    # torch's third positional argument is a class weight, and Liger orders its options otherwise.
+    logits, x, weight = randn(5, 11), randn(5, 8), randn(11, 8)
+    target = torch.randint(0, 11, (5,), device=DEVICE)
+    _raises(TypeError, r"positional argument", tf.cross_entropy, logits, target, -100)
+    _raises(TypeError, r"positional argument", tf.fused_linear_cross_entropy, x, weight, target, None, -100)
+    _raises(TypeError, r"positional argument", tf.fused_linear_logprobs, x, weight, target, None, 0.7)
+    _raises(TypeError, r"positional argument", tigon.nn.CrossEntropyLoss, randn(11))
+    _raises(TypeError, r"positional argument", tigon.nn.FusedLinearCrossEntropyLoss, -100)
 
 
 def test_numbers_that_require_grad_are_refused():

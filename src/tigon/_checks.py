@@ -94,3 +94,20 @@ def check_head(prefix: str, input, weight, bias=None, input_dim: int | None = No
         check_tensor(f"{prefix}bias", bias, dim=1)
         check_shape(f"{prefix}bias", bias, (weight.shape[0],), f"the rows of {prefix}weight")
     check_same_dtype(**{f"{prefix}input": input, f"{prefix}weight": weight, f"{prefix}bias": bias})
+
+
+def check_input_weight_order(input, weight, target_name: str, target) -> None:
+    """Name the likely swap when ``(weight, input)`` came where tigon takes ``(input, weight, ...)``
+    (Liger's losses take ``(lin_weight, _input, target)``): the shapes fit with the two exchanged
+    (``target`` matching the leading dimensions of what came as ``weight``), not as given."""
+    tensors = (input, weight, target)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or input.dim() != 2 or weight.dim() < 1:
+        return
+    fits_given = tuple(target.shape) == tuple(input.shape[:-1]) and weight.dim() == 2
+    fits_swapped = tuple(target.shape) == tuple(weight.shape[:-1]) and weight.shape[-1] == input.shape[-1]
+    if fits_swapped and not fits_given:
+        raise ValueError(
+            f"input {tuple(input.shape)} and weight {tuple(weight.shape)} look swapped: {target_name} "
+            f"{tuple(target.shape)} matches the leading dimensions of weight, not of input. Did you pass "
+            f"(weight, input)? tigon takes (input, weight, {target_name}), input [..., H] and weight [V, H]"
+        )

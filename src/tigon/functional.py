@@ -17,6 +17,7 @@ from tigon._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_choice,
+    check_input_weight_order,
     check_numbers,
     check_same_device,
     check_same_dtype,
@@ -548,6 +549,35 @@ def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
     return _lora.add_lora(base_out, x, lora_a, lora_b, scaling)
 
 
+_GATE_UP_LAYOUTS = {False: "[E, 2I, H]", True: "transposed [E, H, 2I]"}
+
+
+def _check_gate_up_layout(gate_up_proj, n_hidden, transposed):
+    """``(E, I)`` of ``gate_up_proj``, checked to be ``[E, 2I, H]`` (``[E, H, 2I]`` when
+    ``transposed``). ``I`` is read on the axis opposite ``H`` in whichever layout holds ``H``, so a
+    tensor of the other layout is told its right shape and the flag that takes it as it is."""
+    shape = tuple(gate_up_proj.shape)
+    # The layout whose H axis (last for [E, 2I, H], middle for [E, H, 2I]) holds hidden_states' H;
+    # the declared one when both or neither do.
+    holds_hidden = {False: shape[2] == n_hidden, True: shape[1] == n_hidden}
+    layout = transposed if holds_hidden[transposed] or not holds_hidden[not transposed] else not transposed
+    double_inter = shape[2] if layout else shape[1]
+    if double_inter % 2:
+        raise ValueError(
+            f"gate_up_proj {_GATE_UP_LAYOUTS[layout]} has an odd 2I axis, {double_inter}: it must hold the gate and "
+            f"up projections' columns, I each; got shape {shape}"
+        )
+    n_experts, n_inter = shape[0], double_inter // 2
+    expected = (n_experts, n_hidden, 2 * n_inter) if transposed else (n_experts, 2 * n_inter, n_hidden)
+    if shape != expected:
+        other = f": that is the {_GATE_UP_LAYOUTS[layout]} layout, pass transposed={layout}" if layout != transposed else ""
+        raise ValueError(
+            f"gate_up_proj must have shape {expected} ({_GATE_UP_LAYOUTS[transposed]} with E = {n_experts} experts, "
+            f"H = {n_hidden} of hidden_states, I = {n_inter}), got {shape}{other}"
+        )
+    return n_experts, n_inter
+
+
 def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
                     transposed):
     check_tensor("hidden_states", hidden_states, dim=2)
@@ -556,14 +586,13 @@ def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     check_tensor("gate_up_proj", gate_up_proj, dim=3)
     check_tensor("down_proj", down_proj, dim=3)
     n_tokens, n_hidden = hidden_states.shape
-    n_experts = gate_up_proj.shape[0]
-    n_inter = (gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]) // 2
+    n_experts, n_inter = _check_gate_up_layout(gate_up_proj, n_hidden, transposed)
     if transposed:
-        check_shape("gate_up_proj", gate_up_proj, (n_experts, n_hidden, 2 * n_inter), "transposed [E, H, 2I]")
-        check_shape("down_proj", down_proj, (n_experts, n_inter, n_hidden), "transposed [E, I, H]")
+        check_shape("down_proj", down_proj, (n_experts, n_inter, n_hidden),
+                    f"transposed [E, I, H], I = {n_inter} from gate_up_proj, H = {n_hidden} of hidden_states")
     else:
-        check_shape("gate_up_proj", gate_up_proj, (n_experts, 2 * n_inter, n_hidden), "[E, 2I, H]")
-        check_shape("down_proj", down_proj, (n_experts, n_hidden, n_inter), "[E, H, I]")
+        check_shape("down_proj", down_proj, (n_experts, n_hidden, n_inter),
+                    f"[E, H, I], H = {n_hidden} of hidden_states, I = {n_inter} from gate_up_proj")
     check_shape("top_k_index", top_k_index, (n_tokens, top_k_index.shape[1]), "[T, k], T of hidden_states")
     check_shape("top_k_weights", top_k_weights, tuple(top_k_index.shape), "[T, k], as top_k_index")
     if gate_up_bias is not None:
@@ -655,6 +684,7 @@ def _check_target(target, expected_shape, what):
 def cross_entropy(
     logits,
     target,
+    *,
     ignore_index=-100,
     reduction="mean",
     label_smoothing=0.0,
@@ -674,6 +704,10 @@ def cross_entropy(
     z-loss). Tokens whose target is ``ignore_index`` contribute zero loss and zero gradient;
     ``"mean"`` divides by the number of the others, and is NaN when there are none (every target
     ignored, or no tokens), with zero gradients, as ``torch.nn.functional.cross_entropy``.
+
+    The options are keyword-only: ``torch.nn.functional.cross_entropy``'s third positional
+    argument is a class ``weight`` and Liger's orders its options differently, so an option given
+    by position would silently land on another.
 
     Args:
         logits: ``[..., V]`` fp32/bf16/fp16, ``V`` up to 262144; ``N·V`` may exceed 2³¹.
@@ -700,6 +734,7 @@ def cross_entropy(
 
 
 def _check_head(input, weight, bias, target):
+    check_input_weight_order(input, weight, "target", target)
     check_tensor("input", input)
     check_tensor("weight", weight, dim=2)
     if weight.shape[1] != input.shape[-1]:
@@ -724,6 +759,7 @@ def fused_linear_cross_entropy(
     weight,
     target,
     bias=None,
+    *,
     ignore_index=-100,
     reduction="mean",
     label_smoothing=0.0,
@@ -742,8 +778,9 @@ def fused_linear_cross_entropy(
 
     Args:
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
+            In that order: Liger's ``(lin_weight, _input, target)`` is refused, naming the swap.
         target: ``[...]`` as ``input``'s leading dimensions, checked as :func:`cross_entropy`'s.
-        Other options as :func:`cross_entropy`.
+        Other options, keyword-only, as :func:`cross_entropy`.
     Returns: as :func:`cross_entropy`.
     """
     _check_head(input, weight, bias, target)
@@ -760,6 +797,7 @@ def fused_linear_logprobs(
     weight,
     target,
     bias=None,
+    *,
     temperature=1.0,
     softcap=None,
     logit_scale=1.0,

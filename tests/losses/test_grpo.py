@@ -88,7 +88,7 @@ def _compare(case, dtype, options, *, off_policy=True, with_ref=False, num_items
     )
     truth_leaves = leaf_copies(*leaves)
     loss, metrics = tl.fused_linear_grpo(
-        *leaves[:2], ids, mask, advantages, leaves[2], **tensors, num_items_in_batch=num_items_in_batch,
+        *leaves[:2], ids, mask, advantages, bias=leaves[2], **tensors, num_items_in_batch=num_items_in_batch,
         chunk_memory_bytes=chunk_memory_bytes, **options,
     )
     tensors64 = {name: None if t is None else t.double() for name, t in tensors.items()}
@@ -196,8 +196,8 @@ def test_module_matches_function():
     leaves, rest, tensors, chunk_memory_bytes = _problem(CASES[0], torch.float32, with_ref=True)
     options = dict(loss_type="bnpo", beta=0.1, delta=1.6, temperature=0.9, chunk_memory_bytes=chunk_memory_bytes)
     module = tl.FusedLinearGRPOLoss(**options)
-    loss, metrics = module(*leaves[:2], *rest, leaves[2], *tensors.values())
-    expected, expected_metrics = tl.fused_linear_grpo(*leaves[:2], *rest, leaves[2], **tensors, **options)
+    loss, metrics = module(*leaves[:2], *rest, bias=leaves[2], **tensors)
+    expected, expected_metrics = tl.fused_linear_grpo(*leaves[:2], *rest, bias=leaves[2], **tensors, **options)
     assert torch.equal(loss, expected)
     assert all(torch.equal(value, expected_metrics[name]) for name, value in metrics.items())
 
@@ -222,7 +222,7 @@ def test_chunking_does_not_change_the_loss():
     results = []
     for per_chunk_bytes in (chunk_memory_bytes // CASES[0][4], chunk_memory_bytes * CASES[0][0]):
         leaves = leaf_copies(x, weight, bias, dtype=torch.float32)
-        loss, _ = tl.fused_linear_grpo(*leaves[:2], *rest, leaves[2], **tensors, beta=0.1,
+        loss, _ = tl.fused_linear_grpo(*leaves[:2], *rest, bias=leaves[2], **tensors, beta=0.1,
                                        chunk_memory_bytes=per_chunk_bytes)
         loss.backward()
         results.append([loss, *(leaf.grad for leaf in leaves)])
@@ -245,7 +245,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="weight must have shape"):
         tl.fused_linear_grpo(x, weight[:, :-1], ids, mask, advantages)
     with pytest.raises(ValueError, match="bias must have shape"):
-        tl.fused_linear_grpo(x, weight, ids, mask, advantages, bias[:-1])
+        tl.fused_linear_grpo(x, weight, ids, mask, advantages, bias=bias[:-1])
     with pytest.raises(ValueError, match=rf"completion_ids must have shape \({n_completions}, {seq_len}\)"):
         tl.fused_linear_grpo(x, weight, ids[:, :-1], mask, advantages)
     with pytest.raises(ValueError, match="completion_mask must have shape"):
@@ -259,8 +259,34 @@ def test_bad_input_is_named():
     with pytest.raises(TypeError, match="completion_ids has dtype"):
         tl.fused_linear_grpo(x, weight, ids.float(), mask, advantages)
     ids[0, 0] = weight.shape[0]  # out of the vocabulary at an active token
-    with pytest.raises(ValueError, match=f"contains {weight.shape[0]}"):
+    # The user's argument, the value and the valid range, not the internal "target".
+    vocab = weight.shape[0]
+    with pytest.raises(ValueError, match=rf"^completion_ids contains {vocab}, outside \[0, V\) for the vocabulary "
+                                         rf"size V = {vocab}$"):
         tl.fused_linear_grpo(x, weight, ids, mask, advantages)
+    ids[0, 0] = -100  # the internal ignore_index at an active token is out of range too, not ignored
+    with pytest.raises(ValueError, match=r"^completion_ids contains -100, outside"):
+        tl.fused_linear_grpo(x, weight, ids, mask, advantages)
+
+
+def test_optional_tensors_are_keyword_only():
+    """old and ref log-probs share a shape, and Liger takes them as (..., bias, ref, old): given by
+    position they would silently swap, so they (and bias, num_items_in_batch) are keyword-only."""
+    (x, weight, bias), rest, tensors, _ = _problem(CASES[0], torch.float32, with_ref=True)
+    old, ref = tensors["old_per_token_logps"], tensors["ref_per_token_logps"]
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.fused_linear_grpo(x, weight, *rest, bias, ref, old, beta=0.1)
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.FusedLinearGRPOLoss(beta=0.1)(x, weight, *rest, bias, ref, old)
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.FusedLinearGRPOLoss(0.1)
+
+
+def test_swapped_input_and_weight_are_named():
+    (x, weight, _), rest, _, _ = _problem(CASES[0], torch.float32)
+    with pytest.raises(ValueError, match=r"look swapped.*Did you pass \(weight, input\)\? tigon takes "
+                                         r"\(input, weight, completion_ids\)"):
+        tl.fused_linear_grpo(weight, x, *rest)
 
 
 def test_constants_that_require_grad_are_refused():

@@ -66,7 +66,7 @@ def test_matches_reference(loss_name, dtype, case):
     x64, w64, b64 = leaf_copies(x, weight, b)
     ref64 = {name: None if t is None else t.double() for name, t in ref.items()}
 
-    loss, metrics = fn(x, weight, target, b, **ref, chunk_memory_bytes=chunk_memory_bytes, **options)
+    loss, metrics = fn(x, weight, target, bias=b, **ref, chunk_memory_bytes=chunk_memory_bytes, **options)
     truth, truth_logps = reference_fn(x64, w64, target, b64, **ref64, **options, logits_dtype=dtype)
     assert loss.dtype == torch.float32 and loss.shape == ()
     # The truth is the exact loss of the logits rounded to the dtype (see reference.head_logits).
@@ -97,7 +97,7 @@ def test_kto_matches_reference(dtype):
     chunk_memory_bytes //= 2
 
     loss, metrics = tl.FusedLinearKTOLoss(beta=0.5, desirable_weight=1.3, chunk_memory_bytes=chunk_memory_bytes)(
-        x, weight, target, labels, b, **ref, kl=kl,
+        x, weight, target, labels, bias=b, **ref, kl=kl,
     )
     truth, truth_logps = reference.kto_loss(
         x64, w64, target, labels, b64, **ref64, kl=kl.double(), beta=0.5, desirable_weight=1.3, logits_dtype=dtype,
@@ -116,7 +116,7 @@ def test_fully_masked_sequence(loss_name):
     x, weight, target, b, _, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     target[1] = -100
     x64, w64, b64 = leaf_copies(x, weight, b)
-    loss, metrics = fn(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes, **options)
+    loss, metrics = fn(x, weight, target, bias=b, chunk_memory_bytes=chunk_memory_bytes, **options)
     truth, _ = reference_fn(x64, w64, target, b64, **options, logits_dtype=torch.float32)
     assert metrics["chosen_logps"][1].item() == 0.0
     assert_close(loss, truth, torch.float32, "loss")
@@ -143,7 +143,7 @@ def test_frozen_head_and_no_grad():
 def test_sequence_logps_matches_reference():
     x, weight, target, b, _, chunk_memory_bytes = _problem(CASES[0], torch.float32)
     with torch.no_grad():
-        logps = tl.fused_linear_sequence_logps(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes // 3)
+        logps = tl.fused_linear_sequence_logps(x, weight, target, bias=b, chunk_memory_bytes=chunk_memory_bytes // 3)
     assert not logps.requires_grad
     truth = reference.sequence_logps(*leaf_copies(x, weight), target, b.double(), logits_dtype=x.dtype)
     assert_close(logps, truth, torch.float32, "logps")
@@ -155,7 +155,7 @@ def test_strided_target():
     strided = torch.stack((target, torch.zeros_like(target)), -1)[..., 0]
     assert not strided.is_contiguous()
     losses = [
-        tl.fused_linear_dpo(x, weight, t, b, **ref, chunk_memory_bytes=chunk_memory_bytes)[0] for t in (target, strided)
+        tl.fused_linear_dpo(x, weight, t, bias=b, **ref, chunk_memory_bytes=chunk_memory_bytes)[0] for t in (target, strided)
     ]
     assert torch.equal(*losses)
 
@@ -184,6 +184,27 @@ def test_bad_input_is_named():
         tl.fused_linear_dpo(x, weight, target)
 
 
+def test_optional_tensors_are_keyword_only():
+    # bias and ref_bias share a shape: given by position they could land on each other unnoticed.
+    x, weight, target, b, ref, _ = _problem(CASES[0], torch.float32, reference_model=True)
+    labels = torch.arange(x.shape[0], device=DEVICE) % 2 == 0
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.fused_linear_dpo(x, weight, target, b, ref["ref_input"], ref["ref_weight"])
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.FusedLinearDPOLoss()(x, weight, target, b)
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.fused_linear_kto(x, weight, target, labels, b)
+    with pytest.raises(TypeError, match="positional argument"):
+        tl.FusedLinearDPOLoss(0.1)
+
+
+def test_swapped_input_and_weight_are_named():
+    # Liger's preference losses take (lin_weight, _input, target).
+    x, weight, target, _, _, _ = _problem(CASES[0], torch.float32)
+    with pytest.raises(ValueError, match=r"look swapped.*Did you pass \(weight, input\)\?"):
+        tl.fused_linear_dpo(weight, x, target)
+
+
 def test_constants_that_require_grad_are_refused():
     """The reference model, KTO's KL baseline and the options are constants of the losses: asked
     for their gradient, the losses refuse at the call instead of silently giving none."""
@@ -194,19 +215,19 @@ def test_constants_that_require_grad_are_refused():
         message = (rf"{name} requires grad, but the reference model is fixed: its log-probs are constants of the "
                    rf"loss; tigon computes no gradient for it: pass {name}\.detach\(\)")
         with pytest.raises(ValueError, match=message):
-            tl.fused_linear_dpo(x, weight, target, b, **leaf)
+            tl.fused_linear_dpo(x, weight, target, bias=b, **leaf)
         with pytest.raises(ValueError, match=message):
-            tl.fused_linear_kto(x, weight, target, labels, b, **leaf)
+            tl.fused_linear_kto(x, weight, target, labels, bias=b, **leaf)
     kl = torch.tensor(0.2, device=DEVICE, requires_grad=True)
     with pytest.raises(ValueError, match=r"kl requires grad, but KTO's KL baseline is a constant of the loss"):
-        tl.fused_linear_kto(x, weight, target, labels, b, **ref, kl=kl)
+        tl.fused_linear_kto(x, weight, target, labels, bias=b, **ref, kl=kl)
     with pytest.raises(ValueError, match=r"beta requires grad, but it is read as a plain number"):
-        tl.fused_linear_simpo(x, weight, target, b, beta=kl)
+        tl.fused_linear_simpo(x, weight, target, bias=b, beta=kl)
     with pytest.raises(ValueError, match=r"input requires grad, but fused_linear_sequence_logps computes constants "
                                          r".*: call it under torch\.no_grad\(\) or pass input\.detach\(\)"):
         tl.fused_linear_sequence_logps(x, weight, target)
 
     # Detached, or without grad mode, they are taken as the constants they are.
-    loss, _ = tl.fused_linear_kto(x, weight, target, labels, b, **ref, kl=kl.detach())
+    loss, _ = tl.fused_linear_kto(x, weight, target, labels, bias=b, **ref, kl=kl.detach())
     with torch.no_grad():
-        assert torch.equal(tl.fused_linear_kto(x, weight, target, labels, b, **ref, kl=kl)[0], loss.detach())
+        assert torch.equal(tl.fused_linear_kto(x, weight, target, labels, bias=b, **ref, kl=kl)[0], loss.detach())

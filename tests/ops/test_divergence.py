@@ -171,7 +171,7 @@ def test_all_ignored_rows_give_zero_loss_and_gradients(name):
 def test_kl_div_of_no_rows_as_pytorch(reduction):
     # PyTorch's "mean" and "batchmean" over no element are NaN (0 / 0); "sum" is 0.
     input, target = log_probs(0, 50, requires_grad=True), probs(0, 50)
-    loss = distill.kl_div(input, target, reduction)
+    loss = distill.kl_div(input, target, reduction=reduction)
     truth = torch.nn.functional.kl_div(input.detach(), target, reduction=reduction)
     torch.testing.assert_close(loss, truth, equal_nan=True, rtol=0, atol=0)
     loss.sum().backward()

@@ -5,7 +5,9 @@ log-probabilities or probabilities, as each says); :func:`fused_linear_jsd` take
 last hidden states and heads and never builds either model's ``[N, V]`` logits. Every loss is
 computed with fp32 math in one pass over memory, its gradient during the forward pass (see
 :mod:`tigon.ops.divergence` and :mod:`tigon.ops.fused_linear_jsd` for the formulas and their
-derivatives). ``labels`` (optional, ``[...]``) mask rows: a row whose label is ``ignore_index``
+derivatives). The options (``reduction``, ``beta``...) are keyword-only, as PyTorch's
+``kl_div``, whose third positional argument is the deprecated ``size_average``. ``labels``
+(optional, ``[...]``) mask rows: a row whose label is ``ignore_index``
 has no loss and no gradient, and means are over the other rows, 0 when there are none: TRL's GKD
 loss, whose convention :func:`jsd` follows, clamps that divisor to 1 on purpose (a completion
 truncated to nothing then trains nothing rather than making the step NaN), where a plain PyTorch
@@ -22,6 +24,7 @@ from tigon._checks import (
     check_choice,
     check_constant,
     check_head,
+    check_input_weight_order,
     check_numbers,
     check_positive,
     check_same_device,
@@ -72,7 +75,7 @@ def _check_beta(beta):
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
 
 
-def kl_div(input, target, reduction="mean", log_target=False):
+def kl_div(input, target, *, reduction="mean", log_target=False):
     """``torch.nn.functional.kl_div``: pointwise ``target·(log target − input)``.
 
     Args:
@@ -93,7 +96,7 @@ def kl_div(input, target, reduction="mean", log_target=False):
     return _divergence.kl_div(input, target, reduction, bool(log_target))
 
 
-def jsd(input, target, labels=None, beta=0.5, ignore_index=-100):
+def jsd(input, target, labels=None, *, beta=0.5, ignore_index=-100):
     """Generalized Jensen-Shannon divergence (TRL's GKD convention), averaged over rows.
 
     Per row, with student log-probs ``s = input`` and teacher log-probs ``t = target``: ``beta = 0``
@@ -116,7 +119,7 @@ def jsd(input, target, labels=None, beta=0.5, ignore_index=-100):
     return _divergence.jsd(input, target, labels, float(beta), ignore_index)
 
 
-def tvd(input, target, labels=None, reduction="batchmean", ignore_index=-100):
+def tvd(input, target, labels=None, *, reduction="batchmean", ignore_index=-100):
     """Total variation distance ``½·Σ_j |input_j − target_j|`` per row of probabilities.
 
     Args:
@@ -142,6 +145,7 @@ def fused_linear_jsd(
     teacher_input,
     teacher_weight,
     labels=None,
+    *,
     beta=0.5,
     ignore_index=-100,
     temperature=1.0,
@@ -162,6 +166,7 @@ def fused_linear_jsd(
     Returns: the fp32 scalar loss. Gradients flow to ``input`` and ``weight`` (when they require
     it); the teacher is a constant and gets none: a teacher tensor that requires grad is refused.
     """
+    check_input_weight_order(input, weight, "labels", labels)
     check_head("", input, weight)
     check_head("teacher_", teacher_input, teacher_weight)
     for name, tensor in (("teacher_input", teacher_input), ("teacher_weight", teacher_weight)):
@@ -194,13 +199,13 @@ def fused_linear_jsd(
 class KLDivLoss(nn.Module):
     """``torch.nn.KLDivLoss``: ``forward(input, target)`` as :func:`kl_div`."""
 
-    def __init__(self, reduction="mean", log_target=False):
+    def __init__(self, *, reduction="mean", log_target=False):
         super().__init__()
         self.reduction = reduction
         self.log_target = log_target
 
     def forward(self, input, target):
-        return kl_div(input, target, self.reduction, self.log_target)
+        return kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
 
     def extra_repr(self):
         return f"reduction={self.reduction!r}, log_target={self.log_target}"
@@ -209,13 +214,13 @@ class KLDivLoss(nn.Module):
 class JSDLoss(nn.Module):
     """Generalized JSD: ``forward(input, target, labels=None)`` as :func:`jsd`."""
 
-    def __init__(self, beta=0.5, ignore_index=-100):
+    def __init__(self, *, beta=0.5, ignore_index=-100):
         super().__init__()
         self.beta = beta
         self.ignore_index = ignore_index
 
     def forward(self, input, target, labels=None):
-        return jsd(input, target, labels, self.beta, self.ignore_index)
+        return jsd(input, target, labels, beta=self.beta, ignore_index=self.ignore_index)
 
     def extra_repr(self):
         return f"beta={self.beta}, ignore_index={self.ignore_index}"
@@ -224,13 +229,13 @@ class JSDLoss(nn.Module):
 class TVDLoss(nn.Module):
     """Total variation distance: ``forward(input, target, labels=None)`` as :func:`tvd`."""
 
-    def __init__(self, reduction="batchmean", ignore_index=-100):
+    def __init__(self, *, reduction="batchmean", ignore_index=-100):
         super().__init__()
         self.reduction = reduction
         self.ignore_index = ignore_index
 
     def forward(self, input, target, labels=None):
-        return tvd(input, target, labels, self.reduction, self.ignore_index)
+        return tvd(input, target, labels, reduction=self.reduction, ignore_index=self.ignore_index)
 
     def extra_repr(self):
         return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}"
@@ -240,7 +245,7 @@ class FusedLinearJSDLoss(nn.Module):
     """Fused linear generalized JSD: ``forward(input, weight, teacher_input, teacher_weight,
     labels=None)`` as :func:`fused_linear_jsd`."""
 
-    def __init__(self, beta=0.5, ignore_index=-100, temperature=1.0, chunk_memory_bytes=None):
+    def __init__(self, *, beta=0.5, ignore_index=-100, temperature=1.0, chunk_memory_bytes=None):
         super().__init__()
         self.beta = beta
         self.ignore_index = ignore_index
@@ -249,8 +254,8 @@ class FusedLinearJSDLoss(nn.Module):
 
     def forward(self, input, weight, teacher_input, teacher_weight, labels=None):
         return fused_linear_jsd(
-            input, weight, teacher_input, teacher_weight, labels, self.beta, self.ignore_index, self.temperature,
-            self.chunk_memory_bytes,
+            input, weight, teacher_input, teacher_weight, labels, beta=self.beta, ignore_index=self.ignore_index,
+            temperature=self.temperature, chunk_memory_bytes=self.chunk_memory_bytes,
         )
 
     def extra_repr(self):

@@ -45,6 +45,7 @@ from tigon._checks import (
     check_choice,
     check_constant,
     check_head,
+    check_input_weight_order,
     check_numbers,
     check_same_device,
     check_shape,
@@ -184,6 +185,7 @@ def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -
 def _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                 ref_per_token_logps, num_items_in_batch, options: GRPOOptions):
     options.check()
+    check_input_weight_order(input, weight, "completion_ids", completion_ids)
     check_head("", input, weight, bias, input_dim=3)
     completions = tuple(input.shape[:2])
     check_tensor("completion_ids", completion_ids, dtypes=INDEX_DTYPES, dim=2)
@@ -215,17 +217,24 @@ def _check_args(input, weight, completion_ids, completion_mask, advantages, bias
 
 
 def fused_linear_grpo(
-    input, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
-    ref_per_token_logps=None, num_items_in_batch=None, *, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None,
+    input, weight, completion_ids, completion_mask, advantages, *, bias=None, old_per_token_logps=None,
+    ref_per_token_logps=None, num_items_in_batch=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None,
     loss_type="dapo", importance_sampling_level="token", temperature=1.0, max_completion_length=None,
     sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
     vespo_lambda_neg=2.0, chunk_memory_bytes=None,
 ):
     """The GRPO-family loss of the module docstring → ``(loss, metrics)``.
 
+    Everything after ``advantages`` is keyword-only: ``old_per_token_logps`` and
+    ``ref_per_token_logps`` have one shape, and Liger's loss takes them in the other order, so a
+    positional swap would silently give another loss.
+
     Args:
         input: ``[B, T, H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
-        completion_ids: ``[B, T]`` int64/int32; completion_mask: ``[B, T]`` bool or 0/1.
+        completion_ids: ``[B, T]`` int64/int32, in ``[0, V)`` where ``completion_mask`` is set
+            (checked once the kernels are queued, as :func:`tigon.functional.cross_entropy`'s
+            targets; the masked-out positions may hold anything).
+        completion_mask: ``[B, T]`` bool or 0/1.
         advantages: ``[B]``. old_per_token_logps, ref_per_token_logps: ``[B, T]`` or ``None``.
         num_items_in_batch: the step's active tokens for ``dapo``/``cispo`` (int or tensor), or ``None``.
         chunk_memory_bytes: logits memory per chunk of whole completions (default 512 MiB; a
@@ -252,6 +261,7 @@ def fused_linear_grpo(
                 ref_per_token_logps, num_items_in_batch, options)
     mask = completion_mask.bool()
     target = torch.where(mask, completion_ids, IGNORE_INDEX)
+    ids = torch.where(mask, completion_ids, 0)
     mask = mask.double()
     weights = token_weights(mask, options, num_items_in_batch)
     advantages64 = advantages.detach().double()
@@ -266,6 +276,7 @@ def fused_linear_grpo(
 
     loss, log_probs, entropy = fused_linear_logprob_loss(
         input, weight, target, bias, loss_share, IGNORE_INDEX, options.temperature, chunk_memory_bytes,
+        ids=("completion_ids", ids),
     )
     logps = log_probs.double()
     metrics = _metrics(logps, entropy.double(), logps if old is None else old, ref, advantages64, mask, options)
@@ -274,10 +285,11 @@ def fused_linear_grpo(
 
 class FusedLinearGRPOLoss(torch.nn.Module):
     """:func:`fused_linear_grpo` with its options fixed: ``loss, metrics = loss_fn(input, weight,
-    completion_ids, completion_mask, advantages, bias, old_per_token_logps, ref_per_token_logps,
-    num_items_in_batch)``."""
+    completion_ids, completion_mask, advantages, bias=..., old_per_token_logps=...,
+    ref_per_token_logps=..., num_items_in_batch=...)``, everything after ``advantages``
+    keyword-only, as the options of the constructor."""
 
-    def __init__(self, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, loss_type="dapo",
+    def __init__(self, *, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, loss_type="dapo",
                  importance_sampling_level="token", temperature=1.0, max_completion_length=None,
                  sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
                  vespo_k_neg=3.0, vespo_lambda_neg=2.0, chunk_memory_bytes=None):
@@ -291,11 +303,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         )
         GRPOOptions(**{k: v for k, v in self.options.items() if k != "chunk_memory_bytes"}).check()
 
-    def forward(self, input, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
-                ref_per_token_logps=None, num_items_in_batch=None):
+    def forward(self, input, weight, completion_ids, completion_mask, advantages, *, bias=None,
+                old_per_token_logps=None, ref_per_token_logps=None, num_items_in_batch=None):
         return fused_linear_grpo(
-            input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-            ref_per_token_logps, num_items_in_batch, **self.options,
+            input, weight, completion_ids, completion_mask, advantages, bias=bias,
+            old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
+            num_items_in_batch=num_items_in_batch, **self.options,
         )
 
     def extra_repr(self) -> str:

@@ -15,7 +15,9 @@ then the ``B`` rejected ones, pair ``i`` being sequences ``i`` and ``B + i``. Th
 mean over pairs; ``nll`` is the cross entropy of the chosen tokens averaged over those tokens.
 The formulas are those of TRL's trainers, as each docstring writes; ``σ`` is the sigmoid.
 
-Each call returns ``(loss, metrics)``: the fp32 scalar loss and a dict of detached fp32 tensors,
+The optional tensors (``bias``, the reference's ``ref_input``, ``ref_weight``, ``ref_bias``,
+KTO's ``kl``) and the options are keyword-only: ``bias`` and ``ref_bias`` share a shape, so a
+positional mix-up would go unnoticed. Each call returns ``(loss, metrics)``: the fp32 scalar loss and a dict of detached fp32 tensors,
 per pair (or per sequence for KTO). Gradients flow to ``input``, ``weight`` and ``bias``; the
 reference's tensors, KTO's ``kl`` and the options (``beta``...) are constants: given as tensors
 that require grad, they are refused rather than silently left without a gradient.
@@ -30,6 +32,7 @@ from tigon._checks import (
     INDEX_DTYPES,
     check_constant,
     check_head,
+    check_input_weight_order,
     check_numbers,
     check_same_device,
     check_shape,
@@ -53,6 +56,7 @@ __all__ = [
 
 
 def _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, paired, ignore_index):
+    check_input_weight_order(input, weight, "target", target)
     check_head("", input, weight, bias, input_dim=3)
     check_tensor("target", target, dtypes=INDEX_DTYPES, dim=2)
     check_shape("target", target, tuple(input.shape[:2]), "the sequences and tokens of input")
@@ -134,7 +138,7 @@ def _nll_metric(logps, target, ignore_index):
     return -logps[:n_pairs].sum() / _n_tokens(target[:n_pairs], ignore_index).sum().clamp(min=1)
 
 
-def fused_linear_dpo(input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, *,
+def fused_linear_dpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
                      beta=0.1, ignore_index=-100, compute_nll_loss=False, chunk_memory_bytes=None):
     """Direct preference optimisation (sigmoid loss)::
 
@@ -160,7 +164,7 @@ def fused_linear_dpo(input, weight, target, bias=None, ref_input=None, ref_weigh
     return loss, _pair_metrics(logps, ref_logps, beta, **extra)
 
 
-def fused_linear_cpo(input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, *,
+def fused_linear_cpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
                      beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
     """Contrastive preference optimisation (no reference model)::
 
@@ -187,7 +191,7 @@ def fused_linear_cpo(input, weight, target, bias=None, ref_input=None, ref_weigh
                                nll_loss=_nll_metric(logps, target, ignore_index))
 
 
-def fused_linear_simpo(input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, *,
+def fused_linear_simpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
                        beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
     """Simple preference optimisation, on length-averaged log-probs (no reference model)::
 
@@ -212,7 +216,7 @@ def fused_linear_simpo(input, weight, target, bias=None, ref_input=None, ref_wei
     return loss, _pair_metrics(logps / n_tokens, torch.zeros_like(logps), beta)
 
 
-def fused_linear_orpo(input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None, *,
+def fused_linear_orpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
                       beta=0.1, ignore_index=-100, chunk_memory_bytes=None):
     """Odds-ratio preference optimisation, on length-averaged log-probs (no reference model)::
 
@@ -248,8 +252,8 @@ def fused_linear_orpo(input, weight, target, bias=None, ref_input=None, ref_weig
     )
 
 
-def fused_linear_kto(input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None,
-                     ref_bias=None, *, kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0,
+def fused_linear_kto(input, weight, target, preference_labels, *, bias=None, ref_input=None, ref_weight=None,
+                     ref_bias=None, kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0,
                      ignore_index=-100, chunk_memory_bytes=None):
     """Kahneman-Tversky optimisation, unpaired: ``preference_labels [S]`` (bool) marks the
     desirable sequences. With ``r = logp − ref`` and the KL baseline ``z = kl`` (a constant scalar,
@@ -292,7 +296,7 @@ def fused_linear_kto(input, weight, target, preference_labels, bias=None, ref_in
 
 
 @torch.compiler.disable
-def fused_linear_sequence_logps(input, weight, target, bias=None, *, ignore_index=-100, chunk_memory_bytes=None):
+def fused_linear_sequence_logps(input, weight, target, *, bias=None, ignore_index=-100, chunk_memory_bytes=None):
     """``[S]`` fp32 summed log-probabilities of ``target [S, T]`` under ``input [S, T, H] @ weightᵀ
     (+ bias)``, chunked like the losses, for constants (reference models, KTO's KL baseline): the
     result does not require grad, and inputs that require grad (with grad mode on) are refused."""
@@ -318,8 +322,9 @@ class _PreferenceLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
 
-    def forward(self, input, weight, target, bias=None, ref_input=None, ref_weight=None, ref_bias=None):
-        return type(self).loss_fn(input, weight, target, bias, ref_input, ref_weight, ref_bias, **self.options)
+    def forward(self, input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None):
+        return type(self).loss_fn(input, weight, target, bias=bias, ref_input=ref_input, ref_weight=ref_weight,
+                                  ref_bias=ref_bias, **self.options)
 
 
 class FusedLinearDPOLoss(_PreferenceLoss):
@@ -327,7 +332,7 @@ class FusedLinearDPOLoss(_PreferenceLoss):
 
     loss_fn = staticmethod(fused_linear_dpo)
 
-    def __init__(self, beta=0.1, ignore_index=-100, compute_nll_loss=False, chunk_memory_bytes=None):
+    def __init__(self, *, beta=0.1, ignore_index=-100, compute_nll_loss=False, chunk_memory_bytes=None):
         super().__init__(beta=beta, ignore_index=ignore_index, compute_nll_loss=compute_nll_loss,
                          chunk_memory_bytes=chunk_memory_bytes)
 
@@ -337,7 +342,7 @@ class FusedLinearCPOLoss(_PreferenceLoss):
 
     loss_fn = staticmethod(fused_linear_cpo)
 
-    def __init__(self, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
+    def __init__(self, *, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
         super().__init__(beta=beta, alpha=alpha, label_smoothing=label_smoothing, ignore_index=ignore_index,
                          chunk_memory_bytes=chunk_memory_bytes)
 
@@ -347,7 +352,7 @@ class FusedLinearSimPOLoss(_PreferenceLoss):
 
     loss_fn = staticmethod(fused_linear_simpo)
 
-    def __init__(self, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
+    def __init__(self, *, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
         super().__init__(beta=beta, gamma=gamma, label_smoothing=label_smoothing, ignore_index=ignore_index,
                          chunk_memory_bytes=chunk_memory_bytes)
 
@@ -357,19 +362,19 @@ class FusedLinearORPOLoss(_PreferenceLoss):
 
     loss_fn = staticmethod(fused_linear_orpo)
 
-    def __init__(self, beta=0.1, ignore_index=-100, chunk_memory_bytes=None):
+    def __init__(self, *, beta=0.1, ignore_index=-100, chunk_memory_bytes=None):
         super().__init__(beta=beta, ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
 
 
 class FusedLinearKTOLoss(_PreferenceLoss):
     """:func:`fused_linear_kto` as a module; ``forward`` also takes ``preference_labels`` and ``kl``."""
 
-    def __init__(self, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100,
+    def __init__(self, *, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100,
                  chunk_memory_bytes=None):
         super().__init__(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
                          ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
 
-    def forward(self, input, weight, target, preference_labels, bias=None, ref_input=None, ref_weight=None,
+    def forward(self, input, weight, target, preference_labels, *, bias=None, ref_input=None, ref_weight=None,
                 ref_bias=None, kl=None):
-        return fused_linear_kto(input, weight, target, preference_labels, bias, ref_input, ref_weight, ref_bias,
-                                kl=kl, **self.options)
+        return fused_linear_kto(input, weight, target, preference_labels, bias=bias, ref_input=ref_input,
+                                ref_weight=ref_weight, ref_bias=ref_bias, kl=kl, **self.options)

@@ -151,11 +151,12 @@ class CrossEntropyLoss(nn.Module):
     Like ``torch.nn.CrossEntropyLoss`` it leaves ``logits`` as they were. ``inplace_backward=True``
     is the faster opt-in: the gradient overwrites the logits during the forward pass, so the loss
     costs no extra ``[N, V]`` memory, but the logits must then not be used after the call (nor be
-    needed by another op's backward).
+    needed by another op's backward). The options are keyword-only (``torch.nn.CrossEntropyLoss``'s
+    first positional argument is a class ``weight``, which tigon does not take).
     """
 
     def __init__(
-        self, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+        self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
         softcap=None, return_z_loss=False, inplace_backward=False,
     ):
         super().__init__()
@@ -171,10 +172,12 @@ class CrossEntropyLoss(nn.Module):
 
 class FusedLinearCrossEntropyLoss(nn.Module):
     """``loss(input, weight, target, bias=None)``: the cross entropy of ``input @ weight.T + bias``
-    without materialising the logits; options of :func:`tigon.functional.fused_linear_cross_entropy`."""
+    without materialising the logits; options (keyword-only) of
+    :func:`tigon.functional.fused_linear_cross_entropy`. Liger's module takes ``(lin_weight, _input,
+    target)``: that order is refused with an error naming the swap."""
 
     def __init__(
-        self, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+        self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
         softcap=None, return_z_loss=False, chunk_memory_bytes=None,
     ):
         super().__init__()
