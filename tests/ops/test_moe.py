@@ -150,6 +150,26 @@ def test_moe_experts_refuses_bad_input():
         tf.moe_experts(**{**inputs, "down_proj": inputs["down_proj"].half()})
 
 
+def test_moe_experts_names_the_layout_of_gate_up_proj():
+    # E 4, H 12, I 8 given in the [E, H, 2I] layout without transposed=True: the expected shape is
+    # [E, 2I, H] = (4, 16, 12), read from the tensor's own 2I axis, and the flag that fits it is named.
+    n_experts, hidden, inter, n_tokens = 4, 12, 8, 5
+    x = randn(n_tokens, hidden)
+    top_k_index = torch.randint(0, n_experts, (n_tokens, 2), device=DEVICE)
+    top_k_weights = torch.rand(n_tokens, 2, device=DEVICE)
+    gate_up, down = randn(n_experts, hidden, 2 * inter), randn(n_experts, inter, hidden)
+    with pytest.raises(ValueError, match=r"^gate_up_proj must have shape \(4, 16, 12\) \(\[E, 2I, H\] with E = 4 "
+                                         r"experts, H = 12 of hidden_states, I = 8\), got \(4, 12, 16\): that is the "
+                                         r"transposed \[E, H, 2I\] layout, pass transposed=True$"):
+        tf.moe_experts(x, top_k_index, top_k_weights, gate_up, down)
+    with pytest.raises(ValueError, match=r"^gate_up_proj must have shape \(4, 12, 16\) \(transposed \[E, H, 2I\].*"
+                                         r"pass transposed=False$"):
+        tf.moe_experts(x, top_k_index, top_k_weights, gate_up.transpose(1, 2), down, transposed=True)
+    with pytest.raises(ValueError, match=r"^down_proj must have shape \(4, 12, 8\) \(\[E, H, I\], H = 12 of "
+                                         r"hidden_states, I = 8 from gate_up_proj\), got \(4, 8, 12\)$"):
+        tf.moe_experts(x, top_k_index, top_k_weights, gate_up.transpose(1, 2), down)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs tensors past 2^31 elements")
 def test_moe_experts_offsets_past_int32():
     """Row offsets of ``x`` and ``dx`` past 2³¹ elements: the last tokens match the reference."""

@@ -250,27 +250,28 @@ def launch_cross_entropy_fwd(
     )
 
 
-def target_bounds(target: torch.Tensor, ignore_index: int):
-    """The range of the targets other than ``ignore_index`` on its way to the host
-    (:func:`~tigon.ops._launch.range_to_host`); ``None`` where no host sync is allowed
-    (:func:`~tigon.ops._launch.host_sync_allowed`) or there are no targets. Queue the loss's
+def target_bounds(target: torch.Tensor, ignore_index: int | None):
+    """The range of the targets other than ``ignore_index`` (of every target for ``None``) on its
+    way to the host (:func:`~tigon.ops._launch.range_to_host`); ``None`` where no host sync is
+    allowed (:func:`~tigon.ops._launch.host_sync_allowed`) or there are no targets. Queue the loss's
     kernels before :func:`check_target_bounds` waits for it: the GPU then runs them while the host
     waits (they treat an out-of-range target as ignored, so they read only valid memory)."""
     if target.numel() == 0 or not host_sync_allowed(target):
         return None
-    return range_to_host(torch.where(target != ignore_index, target, 0))
+    return range_to_host(target if ignore_index is None else torch.where(target != ignore_index, target, 0))
 
 
-def check_target_bounds(bounds, n_classes: int, ignore_index: int) -> None:
-    """Raise ``ValueError`` when the bounds from :func:`target_bounds` leave ``[0, n_classes)``."""
+def check_target_bounds(bounds, n_classes: int, ignore_index: int | None, name: str = "target") -> None:
+    """Raise ``ValueError`` when the bounds from :func:`target_bounds` leave ``[0, n_classes)``,
+    naming the caller's argument ``name``."""
     if bounds is None:
         return
     lowest, highest = read_range(bounds)
     bad = lowest if lowest < 0 else highest if highest >= n_classes else None
     if bad is not None:
+        unless = "" if ignore_index is None else f", and is not ignore_index ({ignore_index})"
         raise ValueError(
-            f"target contains {bad}, outside [0, V) for V = {n_classes} classes, "
-            f"and is not ignore_index ({ignore_index})"
+            f"{name} contains {bad}, outside [0, V) for the vocabulary size V = {n_classes}{unless}"
         )
 
 

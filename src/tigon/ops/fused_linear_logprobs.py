@@ -562,16 +562,19 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
 
 def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, ignore_index: int,
-                              temperature: float, chunk_memory_bytes: int | None):
+                              temperature: float, chunk_memory_bytes: int | None,
+                              ids: tuple[str, torch.Tensor] | None = None):
     """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
     entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over chunks of whole
     sequences; inputs validated by :mod:`tigon.losses`, the targets' range here, once the kernels
-    are queued."""
+    are queued: of ``target`` less ``ignore_index``, or, with ``ids = (name, tensor)``, of every
+    entry of the caller's ``tensor`` (the ids ``target`` was made from), reported as ``name``."""
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
-    bounds = target_bounds(target, ignore_index)
+    name, checked, checked_ignore = ("target", target, ignore_index) if ids is None else (*ids, None)
+    bounds = target_bounds(checked, checked_ignore)
     result = FusedLinearLogprobLossFunction.apply(
         input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs,
     )
-    check_target_bounds(bounds, weight.shape[0], ignore_index)
+    check_target_bounds(bounds, weight.shape[0], checked_ignore, name)
     return result
