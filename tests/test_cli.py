@@ -13,7 +13,7 @@ from tigon import cli
 from tigon.cli import main as tigon_command
 
 # Each command and subcommand, as its arguments before --help.
-COMMANDS = [[], ["check"], ["demo"], ["export-kernels"], ["bench", "e2e"]]
+COMMANDS = [[], ["check"], ["demo"], ["export-kernels"], ["bench"], ["bench", "e2e"], ["bench", "moe"]]
 
 
 def test_version(capsys):
