@@ -63,7 +63,7 @@ class Case:
     called with the inputs and ``options`` as keywords (a loss class gets ``options`` in its
     constructor), the reference with ``truth_options(dtype)`` too. ``result`` picks the tensors
     to compare from either's return value. Every floating-point input is differentiated except
-    the ``constants`` (a reference model, old log-probs, a teacher). ``factor`` widens the
+    the ``constants`` (a reference model, reference log-probs, a teacher). ``factor`` widens the
     tolerance for ops whose results pass through more roundings, as the test suite does.
     """
 
@@ -426,17 +426,18 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, warm_up: bool
     """tigon's outputs and gradients against the fp64 reference's on the same input values, for
     the same random upstream gradients."""
     inputs = case.make_inputs(device, dtype)
-    op_options = case.options
-    if warm_up:
+
+    def step():
         leaves = _leaves(case, inputs)
-        outputs = _forward(case, case.op, leaves, op_options)
-        _backward(outputs, _upstream(outputs, seed=1), leaves)
+        outputs = _forward(case, case.op, leaves, case.options)
+        upstream = _upstream(outputs, seed=1)
+        return outputs, upstream, _backward(outputs, upstream, leaves)
+
+    if warm_up:
+        step()
     _sync(device)
     start = time.perf_counter()
-    leaves = _leaves(case, inputs)
-    outputs = _forward(case, case.op, leaves, op_options)
-    upstream = _upstream(outputs, seed=1)
-    grads = _backward(outputs, upstream, leaves)
+    outputs, upstream, grads = step()
     _sync(device)
     milliseconds = (time.perf_counter() - start) * 1e3
 
