@@ -10,7 +10,8 @@
   on the site: it becomes the link's text and the file's path in the repository, as code.
 - The docstrings use Sphinx roles (``:func:`rms_norm```), which Markdown renders as the role's
   name followed by code; they become optional cross-references (a link where the object is
-  documented on the site, plain code where it is not, never a warning).
+  documented on the site, plain code where it is not, never a warning). A paragraph ending in
+  reStructuredText's ``::`` before a literal block ends in ``:``.
 """
 
 from __future__ import annotations
@@ -207,4 +208,5 @@ def on_page_content(html: str, page, config, files) -> str:
         shown = target.rsplit(".", 1)[-1] if short else target
         return f'<autoref identifier="{identifier}" optional><code>{shown}</code></autoref>'
 
-    return _ROLE.sub(reference, html)
+    # reStructuredText's "text::" before a literal block: Markdown already made the block code.
+    return _ROLE.sub(reference, html).replace("::</p>", ":</p>")
