@@ -143,6 +143,7 @@ MODULE_NOTE = (
 )
 
 
+GENERIC_LINK_TEXTS = {"csv", "json", "plot", "results", "log"}
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 
 
@@ -158,7 +159,8 @@ def _repository_links(markdown: str, page, docs_dir: Path) -> str:
         if path.is_relative_to(docs_dir) or not path.is_relative_to(root):
             return match.group(0)
         shown = path.relative_to(root).as_posix() + ("/" if target.endswith("/") else "")
-        return f"{text} (`{shown}`)"
+        # "([csv](...))" reads as "(`benchmarks/.../x.csv`)": the path says what the word said.
+        return f"`{shown}`" if text in GENERIC_LINK_TEXTS else f"{text} (`{shown}`)"
 
     return _LINK.sub(replace, markdown)
 
