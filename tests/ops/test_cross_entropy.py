@@ -248,7 +248,7 @@ def test_target_out_of_range_raises(bad):
     target = _targets(shape[:-1], vocab)
     value = {"V": vocab, "beyond": vocab + 12, "negative": -1}[bad]
     target[5] = value
-    with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for V = {vocab} "):
+    with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for the vocabulary size V = {vocab}, "):
         tf.cross_entropy(logits, target)
 
 

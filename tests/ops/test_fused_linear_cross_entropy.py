@@ -155,7 +155,7 @@ def test_target_out_of_range_raises(bad):
     vocab = weight.shape[0]
     value = vocab if bad == "V" else -3
     target.view(-1)[4] = value
-    with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for V = {vocab} "):
+    with pytest.raises(ValueError, match=rf"target contains {value}, outside \[0, V\) for the vocabulary size V = {vocab}, "):
         tf.fused_linear_cross_entropy(x, weight, target, b, chunk_memory_bytes=chunk_memory_bytes)
 
 

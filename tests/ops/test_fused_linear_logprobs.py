@@ -227,7 +227,7 @@ def test_bad_tensors_raise():
     with pytest.raises(ValueError, match=r"weight must be \[V, H\] with H = input.shape\[-1\]"):
         tf.fused_linear_logprobs(x, weight[:, :-1], target, b)
     vocab = weight.shape[0]
-    with pytest.raises(ValueError, match=rf"target contains {vocab}, outside \[0, V\) for V = {vocab}"):
+    with pytest.raises(ValueError, match=rf"target contains {vocab}, outside \[0, V\) for the vocabulary size V = {vocab}"):
         tf.fused_linear_logprobs(x, weight, torch.full_like(target, vocab), b)
 
 
