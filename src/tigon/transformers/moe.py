@@ -8,7 +8,7 @@ module's ``config._experts_implementation`` (``"grouped_mm"`` by default). Impor
 which computes the experts by :func:`tigon.functional.moe_experts`; then::
 
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="tigon")
-    model.config._experts_implementation = "tigon"       # or on a model already built
+    model.set_experts_implementation("tigon")             # or on a model already built
 
 and :func:`~tigon.transformers.apply_tigon` sets it on the models of every family whose row of
 the table lists its experts class (:class:`~tigon.transformers.families.Experts`; flag
