@@ -10,6 +10,9 @@ tensor that requires grad is refused rather than silently left without a gradien
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Literal, overload
 
 import torch
 
@@ -59,8 +62,19 @@ __all__ = [
 
 REDUCTIONS = ("mean", "sum", "none")
 
+Reduction = Literal["mean", "sum", "none"]
+CastingMode = Literal["llama", "gemma"]
+MoEGate = Literal["swiglu", "geglu", "swiglu_clamped"]
+LogprobField = Literal["log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"]
+# (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1): None where not asked for.
+LogprobFields = tuple[
+    torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+]
+# A LoRA adapter on a projection: (lora_a [r, in], lora_b [out, r], scaling).
+LoraAdapter = tuple[torch.Tensor, torch.Tensor, float]
 
-def _check_norm_args(x, weight, bias=None):
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
     check_tensor("x", x)
     hidden = x.shape[-1]
     if hidden > MAX_FUSED_ROW:
@@ -72,7 +86,10 @@ def _check_norm_args(x, weight, bias=None):
     check_same_device(x=x, weight=weight, bias=bias)
 
 
-def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
+    casting_mode: CastingMode = "llama",
+) -> torch.Tensor:
     """Root-mean-square normalisation over the last dimension.
 
     Args:
@@ -90,7 +107,10 @@ def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
     return _rms_norm.rms_norm(x, weight, float(eps), float(offset), casting_mode)
 
 
-def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+    offset: float = 0.0, casting_mode: CastingMode = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass over memory.
 
     Args:
@@ -109,7 +129,10 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0, casting_m
     return _rms_norm.fused_add_rms_norm(x, residual, weight, float(eps), float(offset), casting_mode)
 
 
-def rms_norm_gated(x, gate, weight=None, eps=1e-6, *, group_size=None, norm_before_gate=True, casting_mode="llama"):
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+    group_size: int | None = None, norm_before_gate: bool = True, casting_mode: CastingMode = "llama",
+) -> torch.Tensor:
     """RMSNorm gated by ``silu(gate)``: the output norm of gated DeltaNet and Mamba2 mixers.
 
     Norm before gate: ``y = (weight · x̂) · silu(gate)`` with ``x̂ = x · rstd(x)``; gate before
@@ -166,7 +189,10 @@ def rms_norm_gated(x, gate, weight=None, eps=1e-6, *, group_size=None, norm_befo
     return _rms_norm.rms_norm_gated(x, gate, weight, float(eps), group_size, bool(norm_before_gate), casting_mode)
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5, offset=0.0):
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5,
+    offset: float = 0.0,
+) -> torch.Tensor:
     """Layer normalisation over the last dimension (``torch.nn.functional.layer_norm`` semantics).
 
     Args:
@@ -183,7 +209,9 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, offset=0.0):
     return _layer_norm.layer_norm(x, weight, bias, float(eps), float(offset))
 
 
-def _check_rope_table(name, table, batch, seq_len, rotary_dim, mrope):
+def _check_rope_table(
+    name: str, table: torch.Tensor, batch: int, seq_len: int, rotary_dim: int, mrope: bool,
+) -> None:
     """A cos/sin table's shape: ``[B or 1, T, W]`` or ``[T, W]`` (M-RoPE: ``[3, B or 1, T, W]``)
     with ``W = rotary_dim`` or ``rotary_dim/2``."""
     check_tensor(name, table)
@@ -205,7 +233,7 @@ def _check_rope_table(name, table, batch, seq_len, rotary_dim, mrope):
     )
 
 
-def _check_mrope_section(mrope_section, rotary_dim):
+def _check_mrope_section(mrope_section: Sequence[int], rotary_dim: int) -> tuple[int, int, int]:
     try:
         section = tuple(int(size) for size in mrope_section)
     except TypeError:
@@ -219,9 +247,10 @@ def _check_mrope_section(mrope_section, rotary_dim):
 
 
 def rope(
-    q, k, cos, sin, rotary_dim=None, *,
-    interleaved=False, deinterleave_output=False, rotary_last=False, mrope_section=None, mrope_interleaved=False,
-):
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None, *,
+    interleaved: bool = False, deinterleave_output: bool = False, rotary_last: bool = False,
+    mrope_section: Sequence[int] | None = None, mrope_interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary position embedding of queries and keys in one launch, every Hugging Face variant.
 
     Each pair ``(x_a, x_b)`` of the rotated features turns by its angle:
@@ -299,7 +328,7 @@ def rope(
     return _rope.rope(q, k, cos, sin, variant)
 
 
-def _check_gated_args(gate, up, inplace_backward):
+def _check_gated_args(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> None:
     check_tensor("gate", gate)
     check_tensor("up", up)
     check_shape("up", up, tuple(gate.shape), "the shape of gate")
@@ -309,7 +338,7 @@ def _check_gated_args(gate, up, inplace_backward):
         raise ValueError("inplace_backward=True needs gate and up in separate memory; got the same tensor for both")
 
 
-def swiglu(gate, up, *, inplace_backward=False):
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``silu(gate) · up``. Backward recomputes the activation: nothing beyond the inputs is saved.
 
     Args:
@@ -323,7 +352,7 @@ def swiglu(gate, up, *, inplace_backward=False):
     return _gated.swiglu(gate, up, bool(inplace_backward))
 
 
-def geglu(gate, up, *, inplace_backward=False):
+def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``gelu_tanh(gate) · up`` (GELU with the tanh approximation, as Gemma's MLP).
 
     Args:
@@ -335,7 +364,7 @@ def geglu(gate, up, *, inplace_backward=False):
     return _gated.geglu(gate, up, bool(inplace_backward))
 
 
-def relu2(x, *, inplace_backward=False):
+def relu2(x: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``relu(x)²``, the squared ReLU of Nemotron's MLP (Hugging Face's ``ACT2FN["relu2"]``).
 
     Backward, ``2·relu(x)·dout``, recomputes from ``x`` (nothing else is saved); NaN propagates
@@ -352,7 +381,9 @@ def relu2(x, *, inplace_backward=False):
     return _gated.relu2(x, bool(inplace_backward))
 
 
-def swiglu_clamped(gate_up, *, alpha=1.702, limit=7.0, inplace_backward=False):
+def swiglu_clamped(
+    gate_up: torch.Tensor, *, alpha: float = 1.702, limit: float = 7.0, inplace_backward: bool = False,
+) -> torch.Tensor:
     """GPT-OSS's clamped SwiGLU (``GptOssExperts._apply_gate``) on interleaved gate/up columns.
 
     With ``gate = gate_up[..., ::2]`` and ``up = gate_up[..., 1::2]``::
@@ -382,7 +413,9 @@ def swiglu_clamped(gate_up, *, alpha=1.702, limit=7.0, inplace_backward=False):
     return _gated.swiglu_clamped(gate_up, float(alpha), float(limit), bool(inplace_backward))
 
 
-def _check_gated_linear_args(gate, up, weight, bias, inplace_backward):
+def _check_gated_linear_args(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, inplace_backward: bool,
+) -> None:
     _check_gated_args(gate, up, inplace_backward)
     check_tensor("weight", weight, dim=2)
     check_shape("weight", weight, (weight.shape[0], gate.shape[-1]), "[out_features, the last dimension of gate]")
@@ -395,7 +428,10 @@ def _check_gated_linear_args(gate, up, weight, bias, inplace_backward):
     check_same_device(**tensors)
 
 
-def swiglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
+def swiglu_linear(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
     """``(silu(gate) · up) @ weightᵀ (+ bias)``: the gate and down projection of a Llama MLP.
 
     Saves ``gate``, ``up`` and ``weight`` for backward but not the product ``silu(gate) · up``,
@@ -413,13 +449,19 @@ def swiglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
     return _gated.gated_linear(gate, up, weight, bias, "silu", bool(inplace_backward))
 
 
-def geglu_linear(gate, up, weight, bias=None, *, inplace_backward=False):
+def geglu_linear(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
     """``(gelu_tanh(gate) · up) @ weightᵀ (+ bias)``, as :func:`swiglu_linear` for Gemma's MLP."""
     _check_gated_linear_args(gate, up, weight, bias, inplace_backward)
     return _gated.gated_linear(gate, up, weight, bias, "gelu_tanh", bool(inplace_backward))
 
 
-def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras):
+def _check_gated_mlp_args(
+    x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,
+    loras: dict[str, LoraAdapter | None],
+) -> None:
     check_tensor("x", x)
     for name, weight in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
         check_tensor(name, weight, dim=2)
@@ -435,11 +477,14 @@ def _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras):
         if lora is not None:
             if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
                 raise TypeError(f"{projection}_lora must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
-            _check_adapter(*weight.shape, *lora, owner=f"{projection}_lora")
+            n_out, n_in = weight.shape
+            _check_adapter(n_out, n_in, *lora, owner=f"{projection}_lora")
             check_same_device(x=x, **{f"{projection}_lora[0] (lora_a)": lora[0]})
 
 
-def _check_adapter(n_out, n_in, lora_a, lora_b, scaling, owner=None):
+def _check_adapter(
+    n_out: int, n_in: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, owner: str | None = None,
+) -> None:
     """An adapter ``lora_a [r, n_in]``, ``lora_b [n_out, r]`` (any float dtype) and its scaling;
     ``owner`` names the argument that holds them (an MLP's ``gate_lora``), if not the function."""
     names = {name: name if owner is None else f"{owner}[{index}] ({name})"
@@ -453,7 +498,10 @@ def _check_adapter(n_out, n_in, lora_a, lora_b, scaling, owner=None):
     check_same_device(**{names["lora_a"]: lora_a, names["lora_b"]: lora_b})
 
 
-def swiglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lora=None, down_lora=None):
+def swiglu_mlp(
+    x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, *,
+    gate_lora: LoraAdapter | None = None, up_lora: LoraAdapter | None = None, down_lora: LoraAdapter | None = None,
+) -> torch.Tensor:
     """A Llama MLP, ``(silu(x @ gate_weightᵀ) · (x @ up_weightᵀ)) @ down_weightᵀ``, that keeps
     only its inputs for backward, with an optional LoRA adapter on each projection.
 
@@ -483,14 +531,20 @@ def swiglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lor
     return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "silu", tuple(loras.values()))
 
 
-def geglu_mlp(x, gate_weight, up_weight, down_weight, *, gate_lora=None, up_lora=None, down_lora=None):
+def geglu_mlp(
+    x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, *,
+    gate_lora: LoraAdapter | None = None, up_lora: LoraAdapter | None = None, down_lora: LoraAdapter | None = None,
+) -> torch.Tensor:
     """The GeGLU MLP (``gelu_tanh`` gate, Gemma's) as :func:`swiglu_mlp`."""
     loras = dict(gate=gate_lora, up=up_lora, down=down_lora)
     _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras)
     return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "gelu_tanh", tuple(loras.values()))
 
 
-def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, *, bias=None, x_adapter=None):
+def lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float = 1.0, *,
+    bias: torch.Tensor | None = None, x_adapter: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A linear layer with a LoRA adapter: ``x @ weightᵀ + bias + scaling · (x̃ @ lora_aᵀ) @ lora_bᵀ``.
 
     PEFT's ``lora.Linear`` in one function (see :mod:`tigon.ops.lora`): the adapter's product
@@ -516,7 +570,8 @@ def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, *, bias=None, x_adapter=
         check_tensor("bias", bias, dim=1)
         check_shape("bias", bias, (weight.shape[0],), "[out_features] of weight")
     check_same_dtype(x=x, weight=weight, bias=bias)
-    _check_adapter(*weight.shape, lora_a, lora_b, scaling)
+    n_out, n_in = weight.shape
+    _check_adapter(n_out, n_in, lora_a, lora_b, scaling)
     if x_adapter is not None:
         check_tensor("x_adapter", x_adapter)
         check_shape("x_adapter", x_adapter, tuple(x.shape), "the shape of x")
@@ -524,7 +579,9 @@ def lora_linear(x, weight, lora_a, lora_b, scaling=1.0, *, bias=None, x_adapter=
     return _lora.lora_linear(x, weight, bias, lora_a, lora_b, scaling, x_adapter)
 
 
-def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
+def add_lora(
+    base_out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float = 1.0,
+) -> torch.Tensor:
     """A LoRA adapter over the output of a base layer tigon does not compute (a quantised one, as
     in QLoRA): ``base_out + scaling · (x @ lora_aᵀ) @ lora_bᵀ``.
 
@@ -552,7 +609,7 @@ def add_lora(base_out, x, lora_a, lora_b, scaling=1.0):
 _GATE_UP_LAYOUTS = {False: "[E, 2I, H]", True: "transposed [E, H, 2I]"}
 
 
-def _check_gate_up_layout(gate_up_proj, n_hidden, transposed):
+def _check_gate_up_layout(gate_up_proj: torch.Tensor, n_hidden: int, transposed: bool) -> tuple[int, int]:
     """``(E, I)`` of ``gate_up_proj``, checked to be ``[E, 2I, H]`` (``[E, H, 2I]`` when
     ``transposed``). ``I`` is read on the axis opposite ``H`` in whichever layout holds ``H``, so a
     tensor of the other layout is told its right shape and the flag that takes it as it is."""
@@ -578,8 +635,10 @@ def _check_gate_up_layout(gate_up_proj, n_hidden, transposed):
     return n_experts, n_inter
 
 
-def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                    transposed):
+def _check_moe_args(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, transposed: bool,
+) -> None:
     check_tensor("hidden_states", hidden_states, dim=2)
     check_tensor("top_k_index", top_k_index, dtypes=INDEX_DTYPES, dim=2)
     check_tensor("top_k_weights", top_k_weights, dim=2)
@@ -607,7 +666,7 @@ def _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
                       gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias)
 
 
-def _expert_id_bounds(top_k_index):
+def _expert_id_bounds(top_k_index: torch.Tensor) -> Any:
     """The expert ids' range on its way to the host (:func:`~tigon.ops._launch.range_to_host`):
     read once the experts' kernels are queued, which read only valid memory whatever the ids;
     ``None`` where no host sync is allowed (torch.compile, CUDA graph capture)."""
@@ -616,7 +675,7 @@ def _expert_id_bounds(top_k_index):
     return range_to_host(top_k_index)
 
 
-def _check_expert_ids(bounds, n_experts):
+def _check_expert_ids(bounds: Any, n_experts: int) -> None:
     if bounds is None:
         return
     low, high = read_range(bounds)
@@ -627,8 +686,12 @@ def _check_expert_ids(bounds, n_experts):
         )
 
 
-def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *, gate_up_bias=None,
-                down_bias=None, gate="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+def moe_experts(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+    gate: MoEGate = "swiglu", transposed: bool = False, interleaved: bool = False, alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
     """A mixture-of-experts layer's experts, fused (transformers' experts forward, whose
     ``experts_implementation="tigon"`` this is)::
 
@@ -663,7 +726,9 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     return out
 
 
-def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap):
+def _check_loss_options(
+    ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+) -> None:
     check_numbers(label_smoothing=label_smoothing, lse_square_scale=lse_square_scale, softcap=softcap)
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
@@ -676,23 +741,41 @@ def _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_sca
         raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
 
 
-def _check_target(target, expected_shape, what):
+def _check_target(target: torch.Tensor, expected_shape: tuple[int, ...], what: str) -> None:
     check_tensor("target", target, dtypes=INDEX_DTYPES, min_dim=0)
     check_shape("target", target, expected_shape, what)
 
 
+@overload
 def cross_entropy(
-    logits,
-    target,
+    logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = ..., reduction: Reduction = ...,
+    label_smoothing: float = ..., lse_square_scale: float = ..., softcap: float | None = ...,
+    return_z_loss: Literal[False] = ..., inplace_backward: bool = ...,
+) -> torch.Tensor: ...
+@overload
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = ..., reduction: Reduction = ...,
+    label_smoothing: float = ..., lse_square_scale: float = ..., softcap: float | None = ...,
+    return_z_loss: Literal[True], inplace_backward: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = ..., reduction: Reduction = ...,
+    label_smoothing: float = ..., lse_square_scale: float = ..., softcap: float | None = ...,
+    return_z_loss: bool, inplace_backward: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
     *,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    lse_square_scale=0.0,
-    softcap=None,
-    return_z_loss=False,
-    inplace_backward=False,
-):
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax cross entropy with fp32 math, its gradient computed during the forward pass.
 
     Per token with logits ``z`` (after ``softcap · tanh(z / softcap)`` when ``softcap`` is set)
@@ -733,7 +816,7 @@ def cross_entropy(
     )
 
 
-def _check_head(input, weight, bias, target):
+def _check_head(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor) -> None:
     check_input_weight_order(input, weight, "target", target)
     check_tensor("input", input)
     check_tensor("weight", weight, dim=2)
@@ -749,25 +832,43 @@ def _check_head(input, weight, bias, target):
     check_same_device(input=input, weight=weight, target=target, bias=bias)
 
 
-def _check_chunk_memory(chunk_memory_bytes):
+def _check_chunk_memory(chunk_memory_bytes: int | None) -> None:
     if chunk_memory_bytes is not None and chunk_memory_bytes <= 0:
         raise ValueError(f"chunk_memory_bytes must be None or > 0, got {chunk_memory_bytes!r}")
 
 
+@overload
 def fused_linear_cross_entropy(
-    input,
-    weight,
-    target,
-    bias=None,
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
+    ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
+    softcap: float | None = ..., return_z_loss: Literal[False] = ..., chunk_memory_bytes: int | None = ...,
+) -> torch.Tensor: ...
+@overload
+def fused_linear_cross_entropy(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
+    ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
+    softcap: float | None = ..., return_z_loss: Literal[True], chunk_memory_bytes: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def fused_linear_cross_entropy(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
+    ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
+    softcap: float | None = ..., return_z_loss: bool, chunk_memory_bytes: int | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def fused_linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
     *,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    lse_square_scale=0.0,
-    softcap=None,
-    return_z_loss=False,
-    chunk_memory_bytes=None,
-):
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    chunk_memory_bytes: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
 
     Tokens are processed in chunks whose logits fit in ``chunk_memory_bytes`` (default: see
@@ -793,20 +894,20 @@ def fused_linear_cross_entropy(
 
 
 def fused_linear_logprobs(
-    input,
-    weight,
-    target,
-    bias=None,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
     *,
-    temperature=1.0,
-    softcap=None,
-    logit_scale=1.0,
-    outputs=("log_probs",),
-    ignore_index=-100,
-    chunk_memory_bytes=None,
-    grad_in_forward=False,
-    backward_context=None,
-):
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: Sequence[LogprobField] = ("log_probs",),
+    ignore_index: int = -100,
+    chunk_memory_bytes: int | None = None,
+    grad_in_forward: bool = False,
+    backward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> LogprobFields:
     """Per-token log-probabilities of ``target`` under ``input @ weight.T (+ bias)``, and
     optionally their entropy and more, without holding the ``[N, V]`` logits: the contract of
     TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``).

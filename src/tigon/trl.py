@@ -30,6 +30,10 @@ the gradients of a broken guess into NaN (see :mod:`tigon.ops.fused_linear_logpr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
 import torch
 
 import tigon.functional as tf
@@ -49,6 +53,14 @@ if not hasattr(_trl_utils, "_ChunkedLogProbFunction"):
 
 TRL_HEAD = _trl_utils._ChunkedLogProbFunction
 
+
+def _gather_head(weight: torch.Tensor, bias: torch.Tensor | None) -> AbstractContextManager[Any]:
+    """TRL's gather of a ZeRO-3 head for a direct read, looked up at each call; it takes ``(weight,
+    bias)`` as TRL's own head passes them, ``bias`` ``None`` included (its hint says Parameters)."""
+    gather: Callable[..., AbstractContextManager[Any]] = _trl_utils.maybe_gather_lm_head_ctx
+    return gather(weight, bias)
+
+
 __all__ = ["TigonLogProbHead", "is_patched", "patch_trl", "unpatch_trl"]
 
 
@@ -64,8 +76,11 @@ class TigonLogProbHead:
     grad_in_forward = True
 
     @classmethod
-    def apply(cls, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=("log_probs",)):
+    def apply(
+        cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+        temperature: float, chunk_size: int, final_logit_softcapping: float | None = None, logit_scale: float = 1.0,
+        outputs: Sequence[tf.LogprobField] = ("log_probs",),
+    ) -> tf.LogprobFields:
         device_type = hidden.device.type
         autocast = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype
@@ -73,7 +88,7 @@ class TigonLogProbHead:
             hidden.to(dtype), weight.to(dtype), targets, None if bias is None else bias.to(dtype),
             temperature=temperature, softcap=final_logit_softcapping, logit_scale=logit_scale, outputs=outputs,
             grad_in_forward=cls.grad_in_forward,
-            backward_context=lambda: _trl_utils.maybe_gather_lm_head_ctx(weight, bias),
+            backward_context=lambda: _gather_head(weight, bias),
         )
         log_probs, entropy = fields[:2]
         if log_probs is not None and log_probs.requires_grad and cls.grad_in_forward:
@@ -83,7 +98,7 @@ class TigonLogProbHead:
         return fields
 
     @classmethod
-    def _observe_log_probs_grad(cls, grad, targets):
+    def _observe_log_probs_grad(cls, grad: torch.Tensor, targets: torch.Tensor) -> None:
         # Reading the answer on the host is a sync: where none is allowed (CUDA-graph capture,
         # torch.compile) the head keeps its guess, and the op's backward checks it on the device
         # (a broken promise gives NaN gradients, never silently wrong ones).
@@ -93,7 +108,7 @@ class TigonLogProbHead:
             cls.grad_in_forward = False
 
     @classmethod
-    def _observe_entropy_grad(cls, grad):
+    def _observe_entropy_grad(cls, grad: torch.Tensor) -> None:
         cls.grad_in_forward = False
 
 
@@ -102,12 +117,12 @@ def patch_trl() -> None:
 
     Call it before or after building the trainer; :func:`unpatch_trl` restores TRL's head."""
     TigonLogProbHead.grad_in_forward = True
-    _trl_utils._ChunkedLogProbFunction = TigonLogProbHead
+    setattr(_trl_utils, "_ChunkedLogProbFunction", TigonLogProbHead)
 
 
 def unpatch_trl() -> None:
     """Restore TRL's own fused LM head."""
-    _trl_utils._ChunkedLogProbFunction = TRL_HEAD
+    setattr(_trl_utils, "_ChunkedLogProbFunction", TRL_HEAD)
 
 
 def is_patched() -> bool:

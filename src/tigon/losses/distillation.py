@@ -17,6 +17,9 @@ mean would be NaN. :func:`kl_div` is ``torch.nn.functional.kl_div``'s, NaN inclu
 
 from __future__ import annotations
 
+from typing import Literal
+
+import torch
 from torch import nn
 
 from tigon._checks import (
@@ -49,8 +52,10 @@ __all__ = [
 KL_REDUCTIONS = ("mean", "batchmean", "sum", "none")
 TVD_REDUCTIONS = ("batchmean", "mean", "sum", "none")
 
+DivergenceReduction = Literal["mean", "batchmean", "sum", "none"]
 
-def _check_distributions(input, target):
+
+def _check_distributions(input: torch.Tensor, target: torch.Tensor) -> None:
     check_tensor("input", input)
     check_tensor("target", target)
     if target.shape != input.shape:
@@ -61,7 +66,7 @@ def _check_distributions(input, target):
     check_same_dtype(input=input, target=target)
 
 
-def _check_labels(labels, input, ignore_index):
+def _check_labels(labels: torch.Tensor | None, input: torch.Tensor, ignore_index: int) -> None:
     if not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if labels is not None:
@@ -69,13 +74,15 @@ def _check_labels(labels, input, ignore_index):
         check_shape("labels", labels, tuple(input.shape[:-1]), "the leading dimensions of input")
 
 
-def _check_beta(beta):
+def _check_beta(beta: float) -> None:
     check_numbers(beta=beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
 
 
-def kl_div(input, target, *, reduction="mean", log_target=False):
+def kl_div(
+    input: torch.Tensor, target: torch.Tensor, *, reduction: DivergenceReduction = "mean", log_target: bool = False,
+) -> torch.Tensor:
     """``torch.nn.functional.kl_div``: pointwise ``target·(log target − input)``.
 
     Args:
@@ -96,7 +103,10 @@ def kl_div(input, target, *, reduction="mean", log_target=False):
     return _divergence.kl_div(input, target, reduction, bool(log_target))
 
 
-def jsd(input, target, labels=None, *, beta=0.5, ignore_index=-100):
+def jsd(
+    input: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None, *, beta: float = 0.5,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence (TRL's GKD convention), averaged over rows.
 
     Per row, with student log-probs ``s = input`` and teacher log-probs ``t = target``: ``beta = 0``
@@ -119,7 +129,10 @@ def jsd(input, target, labels=None, *, beta=0.5, ignore_index=-100):
     return _divergence.jsd(input, target, labels, float(beta), ignore_index)
 
 
-def tvd(input, target, labels=None, *, reduction="batchmean", ignore_index=-100):
+def tvd(
+    input: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None, *,
+    reduction: DivergenceReduction = "batchmean", ignore_index: int = -100,
+) -> torch.Tensor:
     """Total variation distance ``½·Σ_j |input_j − target_j|`` per row of probabilities.
 
     Args:
@@ -140,17 +153,17 @@ def tvd(input, target, labels=None, *, reduction="batchmean", ignore_index=-100)
 
 
 def fused_linear_jsd(
-    input,
-    weight,
-    teacher_input,
-    teacher_weight,
-    labels=None,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
     *,
-    beta=0.5,
-    ignore_index=-100,
-    temperature=1.0,
-    chunk_memory_bytes=None,
-):
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    chunk_memory_bytes: int | None = None,
+) -> torch.Tensor:
     """:func:`jsd` of ``log_softmax(input @ weight.T / T)`` and ``log_softmax(teacher_input @
     teacher_weight.T / T)`` without holding either ``[N, V]`` logits.
 
@@ -199,45 +212,45 @@ def fused_linear_jsd(
 class KLDivLoss(nn.Module):
     """``torch.nn.KLDivLoss``: ``forward(input, target)`` as :func:`kl_div`."""
 
-    def __init__(self, *, reduction="mean", log_target=False):
+    def __init__(self, *, reduction: DivergenceReduction = "mean", log_target: bool = False) -> None:
         super().__init__()
         self.reduction = reduction
         self.log_target = log_target
 
-    def forward(self, input, target):
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return kl_div(input, target, reduction=self.reduction, log_target=self.log_target)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}, log_target={self.log_target}"
 
 
 class JSDLoss(nn.Module):
     """Generalized JSD: ``forward(input, target, labels=None)`` as :func:`jsd`."""
 
-    def __init__(self, *, beta=0.5, ignore_index=-100):
+    def __init__(self, *, beta: float = 0.5, ignore_index: int = -100) -> None:
         super().__init__()
         self.beta = beta
         self.ignore_index = ignore_index
 
-    def forward(self, input, target, labels=None):
+    def forward(self, input: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         return jsd(input, target, labels, beta=self.beta, ignore_index=self.ignore_index)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"beta={self.beta}, ignore_index={self.ignore_index}"
 
 
 class TVDLoss(nn.Module):
     """Total variation distance: ``forward(input, target, labels=None)`` as :func:`tvd`."""
 
-    def __init__(self, *, reduction="batchmean", ignore_index=-100):
+    def __init__(self, *, reduction: DivergenceReduction = "batchmean", ignore_index: int = -100) -> None:
         super().__init__()
         self.reduction = reduction
         self.ignore_index = ignore_index
 
-    def forward(self, input, target, labels=None):
+    def forward(self, input: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         return tvd(input, target, labels, reduction=self.reduction, ignore_index=self.ignore_index)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}"
 
 
@@ -245,18 +258,24 @@ class FusedLinearJSDLoss(nn.Module):
     """Fused linear generalized JSD: ``forward(input, weight, teacher_input, teacher_weight,
     labels=None)`` as :func:`fused_linear_jsd`."""
 
-    def __init__(self, *, beta=0.5, ignore_index=-100, temperature=1.0, chunk_memory_bytes=None):
+    def __init__(
+        self, *, beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
+        chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__()
         self.beta = beta
         self.ignore_index = ignore_index
         self.temperature = temperature
         self.chunk_memory_bytes = chunk_memory_bytes
 
-    def forward(self, input, weight, teacher_input, teacher_weight, labels=None):
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, teacher_input: torch.Tensor, teacher_weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return fused_linear_jsd(
             input, weight, teacher_input, teacher_weight, labels, beta=self.beta, ignore_index=self.ignore_index,
             temperature=self.temperature, chunk_memory_bytes=self.chunk_memory_bytes,
         )
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"beta={self.beta}, ignore_index={self.ignore_index}, temperature={self.temperature}"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
@@ -56,6 +57,8 @@ from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
 __all__ = ["LOSS_TYPES", "FusedLinearGRPOLoss", "fused_linear_grpo"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
 CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IGNORE_INDEX = -100
 
@@ -94,7 +97,7 @@ class GRPOOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
-def importance_ratio(logps, old, mask, level):
+def importance_ratio(logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """``[k, T]`` per-token ratios, or ``[k, 1]`` per completion for ``level="sequence"``."""
     log_ratio = logps - old
     if level == "sequence":
@@ -102,7 +105,9 @@ def importance_ratio(logps, old, mask, level):
     return log_ratio.exp()
 
 
-def vespo_weights(logps, old, advantages, mask, options: GRPOOptions):
+def vespo_weights(
+    logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, options: GRPOOptions,
+) -> torch.Tensor:
     """``[k, 1]`` φ(w) of each completion (constants: no gradient); ``advantages`` is ``[k, 1]``."""
     log_ratio = (logps - old).detach().clamp(-20.0, 20.0)
     log_w = (log_ratio * mask).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
@@ -112,7 +117,10 @@ def vespo_weights(logps, old, advantages, mask, options: GRPOOptions):
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def per_token_losses(logps, old, ref, advantages, mask, options: GRPOOptions):
+def per_token_losses(
+    logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
+    options: GRPOOptions,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``ℓ`` of the module docstring for ``[k, T]`` log-probs (``[k, 1]`` at sequence level
     without KL), and the ratio ``r`` the clip metrics read (φ(w) for vespo)."""
     ratio = importance_ratio(logps, old, mask, options.importance_sampling_level)
@@ -130,16 +138,16 @@ def per_token_losses(logps, old, ref, advantages, mask, options: GRPOOptions):
         if options.delta is not None:
             ratio = ratio.clamp(max=options.delta)
         losses = -torch.minimum(ratio * advantages, clipped * advantages)
-    if options.beta != 0.0:
+    if options.beta != 0.0 and ref is not None:  # _check_args requires ref when beta != 0
         losses = losses + options.beta * k3_kl(logps, ref)
     return losses, ratio
 
 
-def k3_kl(logps, ref):
+def k3_kl(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(ref - logps) - (ref - logps) - 1.0
 
 
-def token_weights(mask, options: GRPOOptions, num_items_in_batch):
+def token_weights(mask: torch.Tensor, options: GRPOOptions, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
     """``[B, T]`` weights such that the loss is ``Σ ℓ · weights`` (the reduction of the loss type)."""
     n_completions, seq_len = mask.shape
     if options.loss_type in ("grpo", "sapo"):
@@ -153,19 +161,22 @@ def token_weights(mask, options: GRPOOptions, num_items_in_batch):
     return mask / mask.sum().clamp(min=1.0)
 
 
-def _masked_mean(values, mask, per_completion=False):
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor, per_completion: bool = False) -> torch.Tensor:
     """Mean over the active tokens, or over the completions for per-completion values."""
     if per_completion:
         return values.mean()
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -> dict[str, torch.Tensor]:
+def _metrics(
+    logps: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
+    mask: torch.Tensor, options: GRPOOptions,
+) -> dict[str, torch.Tensor]:
     """TRL's logged metrics, from the detached per-token values."""
     metrics = {"entropy": _masked_mean(entropy, mask)}
     ratio = per_token_losses(logps, old, ref, advantages, mask, options)[1]
     advantages = advantages.unsqueeze(-1)
-    if options.beta != 0.0:
+    if options.beta != 0.0 and ref is not None:
         metrics["kl"] = _masked_mean(k3_kl(logps, ref), mask)
     per_completion = options.importance_sampling_level == "sequence"
     if options.loss_type in CLIPPED_TYPES:
@@ -182,8 +193,11 @@ def _metrics(logps, entropy, old, ref, advantages, mask, options: GRPOOptions) -
     return {name: value.float() for name, value in metrics.items()}
 
 
-def _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-                ref_per_token_logps, num_items_in_batch, options: GRPOOptions):
+def _check_args(
+    input: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+    advantages: torch.Tensor, bias: torch.Tensor | None, old_per_token_logps: torch.Tensor | None,
+    ref_per_token_logps: torch.Tensor | None, num_items_in_batch: int | torch.Tensor | None, options: GRPOOptions,
+) -> None:
     options.check()
     check_input_weight_order(input, weight, "completion_ids", completion_ids)
     check_head("", input, weight, bias, input_dim=3)
@@ -217,12 +231,15 @@ def _check_args(input, weight, completion_ids, completion_mask, advantages, bias
 
 
 def fused_linear_grpo(
-    input, weight, completion_ids, completion_mask, advantages, *, bias=None, old_per_token_logps=None,
-    ref_per_token_logps=None, num_items_in_batch=None, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None,
-    loss_type="dapo", importance_sampling_level="token", temperature=1.0, max_completion_length=None,
-    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0, chunk_memory_bytes=None,
-):
+    input: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+    advantages: torch.Tensor, *, bias: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
+    ref_per_token_logps: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+    beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+    loss_type: LossType = "dapo", importance_sampling_level: ImportanceSamplingLevel = "token",
+    temperature: float = 1.0, max_completion_length: int | None = None, sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, chunk_memory_bytes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss of the module docstring → ``(loss, metrics)``.
 
     Everything after ``advantages`` is keyword-only: ``old_per_token_logps`` and
@@ -246,16 +263,16 @@ def fused_linear_grpo(
         ``clip_ratio_region`` (clipped loss types), ``cispo_clip_ratio`` or ``vespo_phi_seq_mean``,
         as TRL logs them.
     """
-    numbers = dict(
+    numbers: dict[str, Any] = dict(
         beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
     )
     check_numbers(**numbers)
+    as_floats: dict[str, Any] = {name: None if value is None else float(value) for name, value in numbers.items()}
     options = GRPOOptions(
         loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length,
-        **{name: None if value is None else float(value) for name, value in numbers.items()},
+        max_completion_length=max_completion_length, **as_floats,
     )
     _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                 ref_per_token_logps, num_items_in_batch, options)
@@ -268,7 +285,7 @@ def fused_linear_grpo(
     old = None if old_per_token_logps is None else old_per_token_logps.detach().double()
     ref = None if ref_per_token_logps is None else ref_per_token_logps.detach().double()
 
-    def loss_share(ids, logps):
+    def loss_share(ids: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
         chunk_old = logps.detach() if old is None else old[ids]
         chunk_ref = None if ref is None else ref[ids]
         losses = per_token_losses(logps, chunk_old, chunk_ref, advantages64[ids], mask[ids], options)[0]
@@ -289,12 +306,15 @@ class FusedLinearGRPOLoss(torch.nn.Module):
     ref_per_token_logps=..., num_items_in_batch=...)``, everything after ``advantages``
     keyword-only, as the options of the constructor."""
 
-    def __init__(self, *, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, loss_type="dapo",
-                 importance_sampling_level="token", temperature=1.0, max_completion_length=None,
-                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
-                 vespo_k_neg=3.0, vespo_lambda_neg=2.0, chunk_memory_bytes=None):
+    def __init__(
+        self, *, beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+        loss_type: LossType = "dapo", importance_sampling_level: ImportanceSamplingLevel = "token",
+        temperature: float = 1.0, max_completion_length: int | None = None, sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__()
-        self.options = dict(
+        self.options: dict[str, Any] = dict(
             beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
             importance_sampling_level=importance_sampling_level, temperature=temperature,
             max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
@@ -303,8 +323,11 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         )
         GRPOOptions(**{k: v for k, v in self.options.items() if k != "chunk_memory_bytes"}).check()
 
-    def forward(self, input, weight, completion_ids, completion_mask, advantages, *, bias=None,
-                old_per_token_logps=None, ref_per_token_logps=None, num_items_in_batch=None):
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+        advantages: torch.Tensor, *, bias: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
+        ref_per_token_logps: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return fused_linear_grpo(
             input, weight, completion_ids, completion_mask, advantages, bias=bias,
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,

@@ -25,6 +25,9 @@ that require grad, they are refused rather than silently left without a gradient
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +41,10 @@ from tigon._checks import (
     check_shape,
     check_tensor,
 )
-from tigon.ops.fused_linear_preference import fused_linear_preference, sequence_logps
+from tigon.ops.fused_linear_preference import SequenceLoss, fused_linear_preference, sequence_logps
+
+# (loss, metrics): the fp32 scalar loss and detached fp32 metrics.
+PreferenceResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 __all__ = [
     "fused_linear_dpo",
@@ -55,7 +61,11 @@ __all__ = [
 ]
 
 
-def _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, paired, ignore_index):
+def _check_args(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    ref_input: torch.Tensor | None, ref_weight: torch.Tensor | None, ref_bias: torch.Tensor | None, paired: bool,
+    ignore_index: int,
+) -> None:
     check_input_weight_order(input, weight, "target", target)
     check_head("", input, weight, bias, input_dim=3)
     check_tensor("target", target, dtypes=INDEX_DTYPES, dim=2)
@@ -69,7 +79,7 @@ def _check_args(input, weight, target, bias, ref_input, ref_weight, ref_bias, pa
         raise ValueError("ref_input and ref_weight must be given together (or neither, for reference log-probs of 0)")
     if ref_input is None and ref_bias is not None:
         raise ValueError("ref_bias was given without ref_input and ref_weight")
-    if ref_input is not None:
+    if ref_input is not None and ref_weight is not None:
         check_head("ref_", ref_input, ref_weight, ref_bias, input_dim=3)
         for name, tensor in (("ref_input", ref_input), ("ref_weight", ref_weight), ("ref_bias", ref_bias)):
             check_constant(name, tensor, "the reference model is fixed: its log-probs are constants of the loss")
@@ -106,22 +116,29 @@ def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torc
     return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
 
 
-def _check_no_reference(loss_name, ref_input, ref_weight, ref_bias):
+def _check_no_reference(
+    loss_name: str, ref_input: torch.Tensor | None, ref_weight: torch.Tensor | None, ref_bias: torch.Tensor | None,
+) -> None:
     if any(t is not None for t in (ref_input, ref_weight, ref_bias)):
         raise ValueError(f"{loss_name} uses no reference model; got ref_input, ref_weight or ref_bias")
 
 
 # Opaque to torch.compile: the chunk loop calls back into Python between kernels.
 @torch.compiler.disable
-def _run(input, weight, target, bias, ref_input, ref_weight, ref_bias, sequence_loss, paired, ignore_index,
-         chunk_memory_bytes):
+def _run(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    ref_input: torch.Tensor | None, ref_weight: torch.Tensor | None, ref_bias: torch.Tensor | None,
+    sequence_loss: SequenceLoss, paired: bool, ignore_index: int, chunk_memory_bytes: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return fused_linear_preference(
         input, weight, target, bias, ref_input, ref_weight, ref_bias, sequence_loss, paired, ignore_index,
         chunk_memory_bytes,
     )
 
 
-def _pair_metrics(logps, ref_logps, beta, **extra):
+def _pair_metrics(
+    logps: torch.Tensor, ref_logps: torch.Tensor, beta: float, **extra: torch.Tensor,
+) -> dict[str, torch.Tensor]:
     chosen, rejected = logps.view(2, -1)
     ref_chosen, ref_rejected = ref_logps.view(2, -1)
     chosen_rewards, rejected_rewards = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
@@ -132,14 +149,17 @@ def _pair_metrics(logps, ref_logps, beta, **extra):
     }
 
 
-def _nll_metric(logps, target, ignore_index):
+def _nll_metric(logps: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """The chosen tokens' mean cross entropy, from the summed log-probs."""
     n_pairs = logps.shape[0] // 2
     return -logps[:n_pairs].sum() / _n_tokens(target[:n_pairs], ignore_index).sum().clamp(min=1)
 
 
-def fused_linear_dpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
-                     beta=0.1, ignore_index=-100, compute_nll_loss=False, chunk_memory_bytes=None):
+def fused_linear_dpo(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    beta: float = 0.1, ignore_index: int = -100, compute_nll_loss: bool = False, chunk_memory_bytes: int | None = None,
+) -> PreferenceResult:
     """Direct preference optimisation (sigmoid loss)::
 
         loss = mean_pairs −log σ(β·((logp_c − ref_c) − (logp_r − ref_r)))  (+ nll if compute_nll_loss)
@@ -152,7 +172,7 @@ def fused_linear_dpo(input, weight, target, *, bias=None, ref_input=None, ref_we
     n_pairs = input.shape[0] // 2
     n_chosen_tokens = _n_tokens(target[:n_pairs], ignore_index).sum().clamp(min=1)
 
-    def share(ids, logps, ref_logps):
+    def share(ids: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         chosen, rejected = _pairs(logps)
         ref_chosen, ref_rejected = _pairs(ref_logps)
         loss = -F.logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected))).sum() / n_pairs
@@ -164,8 +184,12 @@ def fused_linear_dpo(input, weight, target, *, bias=None, ref_input=None, ref_we
     return loss, _pair_metrics(logps, ref_logps, beta, **extra)
 
 
-def fused_linear_cpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
-                     beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
+def fused_linear_cpo(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0, ignore_index: int = -100,
+    chunk_memory_bytes: int | None = None,
+) -> PreferenceResult:
     """Contrastive preference optimisation (no reference model)::
 
         x    = β·(logp_c − logp_r)
@@ -180,7 +204,7 @@ def fused_linear_cpo(input, weight, target, *, bias=None, ref_input=None, ref_we
     n_pairs = input.shape[0] // 2
     n_chosen_tokens = _n_tokens(target[:n_pairs], ignore_index).sum().clamp(min=1)
 
-    def share(ids, logps, ref_logps):
+    def share(ids: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         chosen, rejected = _pairs(logps)
         loss = _smoothed_sigmoid_loss(beta * (chosen - rejected), label_smoothing).sum() / n_pairs
         return loss - alpha * chosen.sum() / n_chosen_tokens
@@ -191,8 +215,12 @@ def fused_linear_cpo(input, weight, target, *, bias=None, ref_input=None, ref_we
                                nll_loss=_nll_metric(logps, target, ignore_index))
 
 
-def fused_linear_simpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
-                       beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
+def fused_linear_simpo(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0, ignore_index: int = -100,
+    chunk_memory_bytes: int | None = None,
+) -> PreferenceResult:
     """Simple preference optimisation, on length-averaged log-probs (no reference model)::
 
         x    = β·(avg_logp_c − avg_logp_r) − γ
@@ -207,7 +235,7 @@ def fused_linear_simpo(input, weight, target, *, bias=None, ref_input=None, ref_
     n_pairs = input.shape[0] // 2
     n_tokens = _n_tokens(target, ignore_index).clamp(min=1)
 
-    def share(ids, logps, ref_logps):
+    def share(ids: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         chosen, rejected = _pairs(logps / n_tokens[ids])
         return _smoothed_sigmoid_loss(beta * (chosen - rejected) - gamma, label_smoothing).sum() / n_pairs
 
@@ -216,8 +244,11 @@ def fused_linear_simpo(input, weight, target, *, bias=None, ref_input=None, ref_
     return loss, _pair_metrics(logps / n_tokens, torch.zeros_like(logps), beta)
 
 
-def fused_linear_orpo(input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None,
-                      beta=0.1, ignore_index=-100, chunk_memory_bytes=None):
+def fused_linear_orpo(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    beta: float = 0.1, ignore_index: int = -100, chunk_memory_bytes: int | None = None,
+) -> PreferenceResult:
     """Odds-ratio preference optimisation, on length-averaged log-probs (no reference model)::
 
         log_odds = (a_c − a_r) − (log(1 − exp(a_c)) − log(1 − exp(a_r)))     a = avg_logp
@@ -234,12 +265,12 @@ def fused_linear_orpo(input, weight, target, *, bias=None, ref_input=None, ref_w
     n_tokens = _n_tokens(target, ignore_index).clamp(min=1)
     n_chosen_tokens = n_tokens[:n_pairs].sum()
 
-    def log_odds(average_logps):
+    def log_odds(average_logps: torch.Tensor) -> torch.Tensor:
         chosen, rejected = average_logps.view(2, -1)
         # log(1 − exp(a)) as log(−expm1(a)): exact for a near 0, where 1 − exp(a) cancels.
         return (chosen - rejected) - (torch.log(-torch.expm1(chosen)) - torch.log(-torch.expm1(rejected)))
 
-    def share(ids, logps, ref_logps):
+    def share(ids: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         nll = -_pairs(logps)[0].sum() / n_chosen_tokens
         return nll - beta * F.logsigmoid(log_odds(logps / n_tokens[ids])).sum() / n_pairs
 
@@ -252,9 +283,12 @@ def fused_linear_orpo(input, weight, target, *, bias=None, ref_input=None, ref_w
     )
 
 
-def fused_linear_kto(input, weight, target, preference_labels, *, bias=None, ref_input=None, ref_weight=None,
-                     ref_bias=None, kl=None, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0,
-                     ignore_index=-100, chunk_memory_bytes=None):
+def fused_linear_kto(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, preference_labels: torch.Tensor, *,
+    bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    kl: torch.Tensor | float | None = None, beta: float = 0.1, desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0, ignore_index: int = -100, chunk_memory_bytes: int | None = None,
+) -> PreferenceResult:
     """Kahneman-Tversky optimisation, unpaired: ``preference_labels [S]`` (bool) marks the
     desirable sequences. With ``r = logp − ref`` and the KL baseline ``z = kl`` (a constant scalar,
     refused if it requires grad; in TRL the clamped mean of ``logp − ref`` over mismatched
@@ -277,7 +311,7 @@ def fused_linear_kto(input, weight, target, preference_labels, *, bias=None, ref
     if baseline.numel() != 1:
         raise ValueError(f"kl must be a scalar, got shape {tuple(baseline.shape)}")
 
-    def share(ids, logps, ref_logps):
+    def share(ids: torch.Tensor, logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
         rewards = beta * (logps - ref_logps)
         desirable = preference_labels[ids]
         losses = torch.where(
@@ -296,7 +330,10 @@ def fused_linear_kto(input, weight, target, preference_labels, *, bias=None, ref
 
 
 @torch.compiler.disable
-def fused_linear_sequence_logps(input, weight, target, *, bias=None, ignore_index=-100, chunk_memory_bytes=None):
+def fused_linear_sequence_logps(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ignore_index: int = -100,
+    chunk_memory_bytes: int | None = None,
+) -> torch.Tensor:
     """``[S]`` fp32 summed log-probabilities of ``target [S, T]`` under ``input [S, T, H] @ weightᵀ
     (+ bias)``, chunked like the losses, for constants (reference models, KTO's KL baseline): the
     result does not require grad, and inputs that require grad (with grad mode on) are refused."""
@@ -311,70 +348,91 @@ def fused_linear_sequence_logps(input, weight, target, *, bias=None, ignore_inde
 
 
 class _PreferenceLoss(torch.nn.Module):
-    """A module holding a loss's options; ``forward`` calls the functional form."""
+    """A module holding a loss's options."""
 
-    loss_fn = None
-
-    def __init__(self, **options):
+    def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options = options
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
 
-    def forward(self, input, weight, target, *, bias=None, ref_input=None, ref_weight=None, ref_bias=None):
+
+class _PairedPreferenceLoss(_PreferenceLoss):
+    """``forward`` calls the functional form ``loss_fn`` with the options."""
+
+    loss_fn: Callable[..., PreferenceResult]
+
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    ) -> PreferenceResult:
         return type(self).loss_fn(input, weight, target, bias=bias, ref_input=ref_input, ref_weight=ref_weight,
                                   ref_bias=ref_bias, **self.options)
 
 
-class FusedLinearDPOLoss(_PreferenceLoss):
+class FusedLinearDPOLoss(_PairedPreferenceLoss):
     """:func:`fused_linear_dpo` as a module."""
 
     loss_fn = staticmethod(fused_linear_dpo)
 
-    def __init__(self, *, beta=0.1, ignore_index=-100, compute_nll_loss=False, chunk_memory_bytes=None):
+    def __init__(
+        self, *, beta: float = 0.1, ignore_index: int = -100, compute_nll_loss: bool = False,
+        chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__(beta=beta, ignore_index=ignore_index, compute_nll_loss=compute_nll_loss,
                          chunk_memory_bytes=chunk_memory_bytes)
 
 
-class FusedLinearCPOLoss(_PreferenceLoss):
+class FusedLinearCPOLoss(_PairedPreferenceLoss):
     """:func:`fused_linear_cpo` as a module."""
 
     loss_fn = staticmethod(fused_linear_cpo)
 
-    def __init__(self, *, beta=0.1, alpha=1.0, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
+    def __init__(
+        self, *, beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0, ignore_index: int = -100,
+        chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__(beta=beta, alpha=alpha, label_smoothing=label_smoothing, ignore_index=ignore_index,
                          chunk_memory_bytes=chunk_memory_bytes)
 
 
-class FusedLinearSimPOLoss(_PreferenceLoss):
+class FusedLinearSimPOLoss(_PairedPreferenceLoss):
     """:func:`fused_linear_simpo` as a module."""
 
     loss_fn = staticmethod(fused_linear_simpo)
 
-    def __init__(self, *, beta=2.0, gamma=0.5, label_smoothing=0.0, ignore_index=-100, chunk_memory_bytes=None):
+    def __init__(
+        self, *, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0, ignore_index: int = -100,
+        chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__(beta=beta, gamma=gamma, label_smoothing=label_smoothing, ignore_index=ignore_index,
                          chunk_memory_bytes=chunk_memory_bytes)
 
 
-class FusedLinearORPOLoss(_PreferenceLoss):
+class FusedLinearORPOLoss(_PairedPreferenceLoss):
     """:func:`fused_linear_orpo` as a module."""
 
     loss_fn = staticmethod(fused_linear_orpo)
 
-    def __init__(self, *, beta=0.1, ignore_index=-100, chunk_memory_bytes=None):
+    def __init__(self, *, beta: float = 0.1, ignore_index: int = -100, chunk_memory_bytes: int | None = None) -> None:
         super().__init__(beta=beta, ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
 
 
 class FusedLinearKTOLoss(_PreferenceLoss):
     """:func:`fused_linear_kto` as a module; ``forward`` also takes ``preference_labels`` and ``kl``."""
 
-    def __init__(self, *, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, ignore_index=-100,
-                 chunk_memory_bytes=None):
+    def __init__(
+        self, *, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+        ignore_index: int = -100, chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
                          ignore_index=ignore_index, chunk_memory_bytes=chunk_memory_bytes)
 
-    def forward(self, input, weight, target, preference_labels, *, bias=None, ref_input=None, ref_weight=None,
-                ref_bias=None, kl=None):
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, preference_labels: torch.Tensor, *,
+        bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+        kl: torch.Tensor | float | None = None,
+    ) -> PreferenceResult:
         return fused_linear_kto(input, weight, target, preference_labels, bias=bias, ref_input=ref_input,
                                 ref_weight=ref_weight, ref_bias=ref_bias, kl=kl, **self.options)

@@ -3,12 +3,16 @@ replace: same constructor arguments, parameter names and ``state_dict`` keys."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as _module
 
 from tigon import functional as F
+from tigon.functional import CastingMode, Reduction
 
 __all__ = [
     "RMSNorm",
@@ -25,7 +29,10 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dimension; ``weight [hidden_size]`` starts at ones (zeros when
     ``offset=1``, Gemma's ``(1 + weight)`` parametrisation)."""
 
-    def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", device=None, dtype=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: CastingMode = "llama",
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         init = torch.zeros if offset else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
@@ -33,10 +40,10 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.casting_mode = casting_mode
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode!r}"
 
 
@@ -48,8 +55,10 @@ class RMSNormGated(nn.Module):
     group_size=H // n_groups, norm_before_gate=norm_before_gate, casting_mode="gemma")``, Mamba2's
     is ``RMSNormGated(H, eps, norm_before_gate=False)``."""
 
-    def __init__(self, hidden_size, eps=1e-6, group_size=None, norm_before_gate=True, casting_mode="llama",
-                 device=None, dtype=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, group_size: int | None = None, norm_before_gate: bool = True,
+        casting_mode: CastingMode = "llama", device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
@@ -57,13 +66,13 @@ class RMSNormGated(nn.Module):
         self.norm_before_gate = norm_before_gate
         self.casting_mode = casting_mode
 
-    def forward(self, hidden_states, gate=None):
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         return F.rms_norm_gated(
             hidden_states, gate, self.weight, self.variance_epsilon, group_size=self.group_size,
             norm_before_gate=self.norm_before_gate, casting_mode=self.casting_mode,
         )
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (
             f"{self.weight.shape[0]}, eps={self.variance_epsilon}, group_size={self.group_size}, "
             f"norm_before_gate={self.norm_before_gate}, casting_mode={self.casting_mode!r}"
@@ -74,17 +83,20 @@ class LayerNorm(nn.Module):
     """LayerNorm over the last dimension with ``weight`` and ``bias [hidden_size]``; ``offset=1``
     is Nemotron's ``NemotronLayerNorm1P`` (``weight + 1``; its weight too starts at ones)."""
 
-    def __init__(self, hidden_size, eps=1e-5, bias=True, offset=0.0, device=None, dtype=None):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, bias: bool = True, offset: float = 0.0,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
         self.eps = eps
         self.offset = offset
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.offset)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
 
 
@@ -111,19 +123,21 @@ class _GatedMLP(nn.Module):
     checkpointed, therefore keep ``down_proj`` separate.
     """
 
-    _gate = None
-    _gate_linear = None
+    _gate: Callable[..., torch.Tensor]
+    _gate_linear: Callable[..., torch.Tensor]
 
-    def __init__(self, hidden_size, intermediate_size, bias=False, device=None, dtype=None):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        factory = {"bias": bias, "device": device, "dtype": dtype}
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **factory)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **factory)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias, device, dtype)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The projections' outputs are seen by nothing else, so their gradients may overwrite them.
         gate, up = self.gate_proj(x), self.up_proj(x)
         if linear_weight_usable(self.down_proj, gate):
@@ -156,17 +170,19 @@ class CrossEntropyLoss(nn.Module):
     """
 
     def __init__(
-        self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
-        softcap=None, return_z_loss=False, inplace_backward=False,
-    ):
+        self, *, ignore_index: int = -100, reduction: Reduction = "mean", label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+        inplace_backward: bool = False,
+    ) -> None:
         super().__init__()
-        self.options = dict(
+        self.options: dict[str, Any] = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
             inplace_backward=inplace_backward,
         )
 
-    def forward(self, logits, target):
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The loss, and the z-loss when ``return_z_loss``."""
         return F.cross_entropy(logits, target, **self.options)
 
 
@@ -177,15 +193,19 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     target)``: that order is refused with an error naming the swap."""
 
     def __init__(
-        self, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
-        softcap=None, return_z_loss=False, chunk_memory_bytes=None,
-    ):
+        self, *, ignore_index: int = -100, reduction: Reduction = "mean", label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0, softcap: float | None = None, return_z_loss: bool = False,
+        chunk_memory_bytes: int | None = None,
+    ) -> None:
         super().__init__()
-        self.options = dict(
+        self.options: dict[str, Any] = dict(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
             lse_square_scale=lse_square_scale, softcap=softcap, return_z_loss=return_z_loss,
             chunk_memory_bytes=chunk_memory_bytes,
         )
 
-    def forward(self, input, weight, target, bias=None):
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The loss, and the z-loss when ``return_z_loss``."""
         return F.fused_linear_cross_entropy(input, weight, target, bias, **self.options)
