@@ -189,7 +189,7 @@ def cross_entropy_bwd_kernel(
     GRAD, GRAD_OUTPUT,
     n_rows, n_cols,
     stride_grad, stride_grad_output,
-    BLOCK_V: tl.constexpr,
+    KEEP_ZEROS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -204,11 +204,13 @@ def cross_entropy_bwd_kernel(
                 offs = start + cols
                 mask = offs < n_cols
                 grad = tl.load(grad_row + offs, mask=mask, other=0.0).to(tl.float32)
-                # A zero stays zero, as autograd's gradient of an ignored row does whatever
-                # grad_output is: an infinite one (a sum divided by num_items_in_batch = 0, as
-                # transformers' loss does) would otherwise make 0 · inf = NaN.
-                grad = tl.where(grad == 0.0, 0.0, grad * grad_output)
-                tl.store(grad_row + offs, grad.to(GRAD.dtype.element_ty), mask=mask)
+                scaled = grad * grad_output
+                if KEEP_ZEROS:
+                    # A zero stays zero, as autograd's gradient of an ignored row does whatever
+                    # grad_output is: an infinite one (a sum divided by num_items_in_batch = 0, as
+                    # transformers' loss does) would otherwise make 0 · inf = NaN.
+                    scaled = tl.where(grad == 0.0, 0.0, scaled)
+                tl.store(grad_row + offs, scaled.to(GRAD.dtype.element_ty), mask=mask)
 
 
 def vocab_row_geometry(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
@@ -371,17 +373,18 @@ def cross_entropy_fwd_inplace(
 
 
 @tigon_op("cross_entropy_bwd", mutates_args=("grad",))
-def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
+def cross_entropy_bwd(grad: torch.Tensor, grad_output: torch.Tensor, keep_zeros: bool = False) -> None:
     """``grad [R, C] *= grad_output`` in place, with ``grad_output`` fp32 ``[1]`` (every row) or
-    ``[R]`` (per row); rows whose factor is exactly 1 are not touched, and zero entries stay zero
-    (even for an infinite or NaN factor)."""
+    ``[R]`` (per row); rows whose factor is exactly 1 are not touched. With ``keep_zeros`` zero
+    entries stay zero even for an infinite or NaN factor (the cross entropy's ignored rows);
+    without, a NaN factor reaches every entry (the log-probs head's broken-promise signal)."""
     n_rows, n_cols = grad.shape
     block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, grad.element_size(), grad.device)
     cross_entropy_bwd_kernel[(n_programs,)](
         grad, grad_output,
         n_rows, n_cols,
         grad.stride(0), 0 if grad_output.numel() == 1 else grad_output.stride(0),
-        BLOCK_V=block_v, num_warps=num_warps,
+        KEEP_ZEROS=keep_zeros, BLOCK_V=block_v, num_warps=num_warps,
     )
 
 
@@ -409,7 +412,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss):
         (grad,) = ctx.saved_tensors
-        cross_entropy_bwd(grad, grad_loss.reshape(-1))
+        cross_entropy_bwd(grad, grad_loss.reshape(-1), keep_zeros=True)
         return grad.view(ctx.logits_shape), None, None, None, None, None, None, None, None, None
 
 

@@ -190,7 +190,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_output = grad_loss.reshape(1)
             for grad, needed in zip((grad_input, grad_weight, grad_bias.view(1, -1)), ctx.needs):
                 if needed:
-                    cross_entropy_bwd(grad, grad_output)
+                    cross_entropy_bwd(grad, grad_output, keep_zeros=True)
         grad_input_needed, grad_weight_needed, grad_bias_needed = ctx.needs
         return (
             grad_input.view(ctx.input_shape) if grad_input_needed else None,
