@@ -29,7 +29,8 @@ def test_each_family_trains_as_hugging_face_with_tigon(model, hugging_face_modul
     hf, tigon = (run_job(args, Job("train", model, setup), DEVICE) for setup in ("hf", "tigon"))
     for result in (hf, tigon):
         assert "error" not in result, result["traceback"]
-        assert len(result["losses"]) == 2 and all(math.isfinite(loss) for loss in result["losses"])
+        # The warm-up step, the timed one and, on a GPU, the one that records each phase's peak.
+        assert len(result["losses"]) == 2 + ON_GPU and all(math.isfinite(loss) for loss in result["losses"])
         assert result["tokens_per_second"] > 0 and result["layers"] == 2
     # The same weights and batches: tigon's kernels in fp32 give Hugging Face's losses.
     assert tigon["losses"] == pytest.approx(hf["losses"], rel=1e-5)
@@ -43,6 +44,9 @@ def test_each_family_trains_as_hugging_face_with_tigon(model, hugging_face_modul
 
 @pytest.fixture
 def trl_head_restored():
+    """patch_trl() replaces TRL's fused LM head for the whole process: the test leaves TRL's own."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
     from tigon.trl import unpatch_trl
 
     yield
@@ -51,8 +55,6 @@ def trl_head_restored():
 
 @pytest.mark.slow
 def test_trl_loops_compare_trl_and_tigon_heads(hugging_face_modules_restored, trl_head_restored):
-    pytest.importorskip("trl")
-    pytest.importorskip("datasets")
     args = smoke_args("--trl", "sft", "grpo", "--seq-len", "16", "--prompt-len", "4")
     sft, grpo = {}, {}
     for setup in ("hf", "tigon_head"):  # TRL's head first: patch_trl() is global

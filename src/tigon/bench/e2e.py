@@ -524,7 +524,7 @@ def print_table(record: dict) -> None:
         if "error" in r:
             print(f"{r['label']:<{width}}failed: {r['error']}")
             continue
-        cells = [_cell(r.get(key)[0] if key == "losses" else r.get(key), spec) for _, key, spec in columns]
+        cells = [_cell((r.get(key) or [None])[0] if key == "losses" else r.get(key), spec) for _, key, spec in columns]
         print(f"{r['label']:<{width}}" + "".join(f"{cell:>16}" for cell in cells))
     for r in results:
         if "error" in r:
@@ -548,7 +548,7 @@ def print_table(record: dict) -> None:
     diffs = {r["label"]: r["step0_loss_rel_diff_vs_hf"] for r in results if r["setup"] != "hf"
              and "step0_loss_rel_diff_vs_hf" in r}
     if diffs:
-        print(f"step-0 loss vs Hugging Face's, relative: max {max(diffs.values()):.2e}")
+        print(f"step-0 loss vs the hf setup's, relative: max {max(diffs.values()):.2e}")
 
 
 def plot(record: dict, path: Path) -> None:
@@ -564,7 +564,7 @@ def plot(record: dict, path: Path) -> None:
         + (f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers" if "checkpointing" in r else "")
         for r in results
     ]
-    first = results[0]
+    first = next(r for r in results if "error" not in r)
     graphed = ", one CUDA graph per step" if first.get("cuda_graph") else ""
     per_gpu = " per GPU" if any(r["gpus"] > 1 for r in results) else ""
     panels = [("tokens_per_second", f"tokens/s{per_gpu} (batch {first['batch']} × {first['seq_len']}{graphed})")]
@@ -802,9 +802,10 @@ def main(argv: list[str] | None = None) -> int:
             # Written after every process: a run cut short keeps what it measured.
             (out / f"{file_stem(args, result['model'], result['loop'])}.json").write_text(json.dumps(record, indent=2))
     for (model, loop), record in records.items():
-        if not record["results"]:
+        if record["results"]:
+            print_table(record)
+        if not any("error" not in r for r in record["results"]):
             continue
-        print_table(record)
         stem = file_stem(args, model, loop)
         plot(record, out / f"{stem}.png")
         print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
