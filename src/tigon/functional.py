@@ -111,12 +111,12 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
     offset: float = 0.0, casting_mode: CastingMode = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)`` in one pass over memory.
+    """``(rms_norm(x + residual), x + residual)`` in one pass over memory; ``weight``, ``eps``,
+    ``offset`` and ``casting_mode`` as in :func:`rms_norm`.
 
     Args:
         x, residual: ``[..., H]`` of one shape and dtype. The sum is rounded to that dtype, as an
             eager ``x + residual`` would be.
-        Other arguments as :func:`rms_norm`.
     Returns: ``(normed, summed)``, both ``[..., H]`` in ``x.dtype``.
     """
     _check_norm_args(x, weight)
@@ -875,13 +875,13 @@ def fused_linear_cross_entropy(
     :data:`tigon.ops.fused_linear.DEFAULT_CHUNK_MEMORY_BYTES`, more for a vocabulary beyond
     :data:`~tigon.ops.fused_linear.DEFAULT_CHUNK_VOCAB`), so the extra memory
     does not grow with ``N``. Gradients flow to ``input``, ``bias`` and to ``weight`` when it
-    requires grad (a frozen head, as with LoRA, costs no ``[V, H]`` gradient).
+    requires grad (a frozen head, as with LoRA, costs no ``[V, H]`` gradient). The keyword-only
+    options are :func:`cross_entropy`'s.
 
     Args:
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
             In that order: Liger's ``(lin_weight, _input, target)`` is refused, naming the swap.
         target: ``[...]`` as ``input``'s leading dimensions, checked as :func:`cross_entropy`'s.
-        Other options, keyword-only, as :func:`cross_entropy`.
     Returns: as :func:`cross_entropy`.
     """
     _check_head(input, weight, bias, target)
