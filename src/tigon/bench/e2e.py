@@ -102,12 +102,9 @@ LOOPS = ("train", *e2e_trl.LOOPS)
 DEFAULT_SETUPS = {"train": TRAIN_SETUPS, "sft": ("hf", "liger", "tigon"), "grpo": ("hf", "tigon_head", "tigon")}
 # With --lora, tigon's full fine-tuning runs last, for scale.
 FULL_TIGON = "tigon-full"
-# Sizes unless an option says otherwise: the GPU run's, per loop, and the smoke run's.
-SIZES = {
-    "train": dict(batch=4, seq_len=4096, warmup=2, steps=6, prompt_len=512, image_side=448),
-    "sft": dict(batch=4, seq_len=4096, warmup=3, steps=10, prompt_len=512, image_side=448),
-    "grpo": dict(batch=4, seq_len=4096, warmup=2, steps=5, prompt_len=512, image_side=448),
-}
+# Sizes unless an option says otherwise: the GPU run's (its steps per loop), and the smoke run's.
+SIZES = dict(batch=4, seq_len=4096, prompt_len=512, image_side=448)
+STEPS = {"train": dict(warmup=2, steps=6), "sft": dict(warmup=3, steps=10), "grpo": dict(warmup=2, steps=5)}
 SMOKE = dict(layers=2, batch=2, seq_len=64, warmup=1, steps=2, prompt_len=16, image_side=168, max_search=0)
 TIMEOUT_S = 900
 COLORS = {"hf": "tab:gray", "liger": "tab:blue", "tigon": "tab:orange", "tigon_head": "lightsalmon",
@@ -325,7 +322,10 @@ def run_train(args, job: Job, device: str) -> dict:
     generator = torch.Generator(device=device).manual_seed(rank)  # under FSDP2, each GPU its own batch
     tokens_per_step = args.batch * args.seq_len
     if args.cuda_graph:
-        step, capture_peak = captured_train_step(model, optimizer, lambda: batch_of(args.batch, args.seq_len, generator))
+        def new_batch():
+            return batch_of(args.batch, args.seq_len, generator)
+
+        step, capture_peak = captured_train_step(model, optimizer, new_batch)
         result.update(time_steps(step, tokens_per_step, args.warmup, args.steps, device))
         result["peak_memory_gib"] = max(result["peak_memory_gib"], capture_peak)
     else:
@@ -362,7 +362,8 @@ def run_train(args, job: Job, device: str) -> dict:
 
 def job_args(args, job: Job) -> argparse.Namespace:
     """``args`` with the job's sizes: those given, else the smoke run's or the loop's defaults."""
-    defaults = {**SIZES[job.loop], "layers": MODELS[job.model].layers, "max_search": MODELS[job.model].max_search}
+    spec = MODELS[job.model]
+    defaults = {**SIZES, **STEPS[job.loop], "layers": spec.layers, "max_search": spec.max_search}
     if args.smoke:
         defaults.update(SMOKE)
     if args.budget is not None or args.cuda_graph or job.gpus > 1 or job.loop != "train":
@@ -380,7 +381,7 @@ def run_job(args, job: Job, device: str) -> dict:
     resolved = job_args(args, job)
     lora = "QLoRA" if args.qlora else "LoRA" if args.lora else None
     result = {"loop": job.loop, "model": job.model, "setup": job.setup, "gpus": job.gpus,
-              "label": label(job, lora if job.setup != FULL_TIGON else None)}
+              "label": label(job, lora)}
     result.update({name: getattr(resolved, name) for name in ("layers", "batch", "seq_len", "warmup", "steps")})
     if job.loop == "grpo":
         result.update(prompt_len=resolved.prompt_len, temperature=resolved.temperature)
@@ -508,7 +509,8 @@ def _cell(value, spec: str) -> str:
 
 def print_table(record: dict) -> None:
     results = record["results"]
-    print(f"\n{record['title']}, {record['loop']}" + (" (smoke run: the timings mean nothing)" if record["smoke"] else ""))
+    smoke = " (smoke run: the timings mean nothing)" if record["smoke"] else ""
+    print(f"\n{record['title']}, {record['loop']}{smoke}")
     columns = [("tokens/s", "tokens_per_second", ",.0f"), ("speed-up", "speedup_vs_hf", ".2f"),
                ("peak GiB", "peak_memory_gib", ".2f"), ("memory", "memory_vs_hf", ".0%")]
     if record["loop"] == "grpo":
@@ -559,11 +561,10 @@ def plot(record: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     results = record["results"]
-    labels = [
-        r["label"].replace("Hugging Face", "HF").replace(" + ", "\n+ ").replace(", ", ",\n")
-        + (f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers" if "checkpointing" in r else "")
-        for r in results
-    ]
+    labels = [r["label"].replace("Hugging Face", "HF").replace(" + ", "\n+ ").replace(", ", ",\n") for r in results]
+    for i, r in enumerate(results):
+        if "checkpointing" in r:
+            labels[i] += f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers"
     first = next(r for r in results if "error" not in r)
     graphed = ", one CUDA graph per step" if first.get("cuda_graph") else ""
     per_gpu = " per GPU" if any(r["gpus"] > 1 for r in results) else ""
@@ -581,7 +582,8 @@ def plot(record: dict, path: Path) -> None:
         ax.set_xticks(range(len(results)), labels, fontsize=7)
         ax.set_title(title, fontsize=10)
         for i, (r, value) in enumerate(zip(results, values)):
-            text = "failed" if "error" in r else "-" if not value else f"{value:,.0f}" if value > 100 else f"{value:.1f}"
+            number = f"{value:,.0f}" if value > 100 else f"{value:.1f}"
+            text = "failed" if "error" in r else number if value else "-"
             ax.annotate(text, (i, value), ha="center", va="bottom", fontsize=8)
     if with_losses:
         # Hugging Face's losses as a thick line, the others drawn over it: where they agree, they overlap.
@@ -601,9 +603,10 @@ def plot(record: dict, path: Path) -> None:
     checkpointing = "gradient checkpointing"
     if "checkpointing" in first:
         checkpointing = f"checkpointing fitted to {first['checkpointing']['budget_gib']:.1f} GiB"
-    model = f"tiny stand-in for {record['title']}" if record["smoke"] else f"{first['layers']}-layer {record['title']} shapes"
-    fig.suptitle(f"{model}, {config['dtype']}, {what[record['loop']]}, {checkpointing} — {record['environment']['device']}"
-                 + (" (smoke run: timings mean nothing)" if record["smoke"] else ""), fontsize=10)
+    model, device = f"{first['layers']}-layer {record['title']} shapes", record["environment"]["device"]
+    if record["smoke"]:
+        model, device = f"tiny stand-in for {record['title']}", f"{device} (smoke run: timings mean nothing)"
+    fig.suptitle(f"{model}, {config['dtype']}, {what[record['loop']]}, {checkpointing} — {device}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -616,8 +619,9 @@ def file_stem(args, model: str, loop: str) -> str:
         name += "_aux_loss"
     if args.budget is not None:
         name += f"_budget_{args.budget}"
-    if not args.smoke and (args.batch or 4, args.seq_len or 4096) != (4, 4096):
-        name += f"_b{args.batch or 4}x{args.seq_len or 4096}"
+    batch, seq_len = args.batch or SIZES["batch"], args.seq_len or SIZES["seq_len"]
+    if not args.smoke and (batch, seq_len) != (SIZES["batch"], SIZES["seq_len"]):
+        name += f"_b{batch}x{seq_len}"
     if args.cuda_graph:
         name += "_graph"
     if any(gpus > 1 for gpus in args.gpus):
@@ -690,13 +694,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Names
                        "448; 168 with --smoke)")
     sizes.add_argument("--prompt-len", type=int, help="prompt tokens of each --trl grpo sequence (default: 512; 16 "
                        "with --smoke)")
-    sizes.add_argument("--temperature", type=float, default=1.0, help="--trl grpo's sampling temperature (default: 1.0)")
+    sizes.add_argument("--temperature", type=float, default=1.0,
+                       help="--trl grpo's sampling temperature (default: 1.0)")
     run = parser.add_argument_group("the run")
     run.add_argument("--smoke", action="store_true",
                      help="tiny fp32 models, on the CPU without a GPU: checks the code paths, times nothing")
     run.add_argument("--memory-profile", action="store_true",
                      help="add the largest tensors alive at each setup's peak and where they were allocated")
-    run.add_argument("--timeout", type=float, default=TIMEOUT_S, help=f"seconds each setup's process may take (default: {TIMEOUT_S})")
+    run.add_argument("--timeout", type=float, default=TIMEOUT_S,
+                     help=f"seconds each setup's process may take (default: {TIMEOUT_S})")
     run.add_argument("--out", type=Path, help="results folder (default: tigon-out/bench-<gpu> of the working "
                      "directory; tigon-out/bench-smoke with --smoke)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -772,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if on_gpu else None
     out = args.out or default_out(args.smoke, gpu)
     out.mkdir(parents=True, exist_ok=True)
-    records = {(model, loop): new_record(args, model, loop, device) for model in args.model for loop in args.trl or ["train"]}
+    loops = args.trl or ["train"]
+    records = {(model, loop): new_record(args, model, loop, device) for model in args.model for loop in loops}
     for group in plan_jobs(args):
         what = f"{group[0].setup} on {group[0].gpus} GPU(s)" if on_gpu else f"{group[0].setup}"
         what += f": {', '.join(f'{job.loop} {job.model}' for job in group)}"

@@ -35,7 +35,6 @@ as their patches replace them); each result records their class and implementati
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -184,8 +183,8 @@ def attention_for(model: str, device: str | torch.device, attention: str | None 
     return "eager" if torch.device(device).type == "cpu" and spec.attention == "flex_attention" else spec.attention
 
 
-def build_model(setup: str, layers: int, device: str | torch.device = "cuda", *, model: str = "llama", dtype=torch.bfloat16,
-                tiny: bool = False, attention: str | None = None, **shape):
+def build_model(setup: str, layers: int, device: str | torch.device = "cuda", *, model: str = "llama",
+                dtype=torch.bfloat16, tiny: bool = False, attention: str | None = None, **shape):
     """A ``dtype`` model of ``layers`` layers of ``MODELS[model]`` (its tiny shapes with ``tiny``;
     ``shape`` overrides the config's arguments), seeded weights, non-reentrant gradient
     checkpointing, in training mode; ``setup`` "liger" or "tigon" patches the family's modeling
