@@ -95,11 +95,11 @@ from tigon.bench.e2e_models import (
 from tigon.bench.machine import default_out, environment, peak_gib, reset_peak, synchronize
 
 SETUPS = ("hf", "liger", "tigon", "tigon_head")
-TRAIN_SETUPS = ("hf", "liger", "tigon")
 LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
-LOOPS = ("train", *e2e_trl.LOOPS)
 # The setups a loop runs unless --setups names others.
-DEFAULT_SETUPS = {"train": TRAIN_SETUPS, "sft": ("hf", "liger", "tigon"), "grpo": ("hf", "tigon_head", "tigon")}
+DEFAULT_SETUPS = {
+    "train": ("hf", "liger", "tigon"), "sft": ("hf", "liger", "tigon"), "grpo": ("hf", "tigon_head", "tigon"),
+}
 # With --lora, tigon's full fine-tuning runs last, for scale.
 FULL_TIGON = "tigon-full"
 # Sizes unless an option says otherwise: the GPU run's (its steps per loop), and the smoke run's.

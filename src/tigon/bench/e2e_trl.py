@@ -39,7 +39,6 @@ from tigon.bench.e2e_models import MODELS, build_model
 from tigon.bench.machine import peak_gib, reset_peak, synchronize
 
 LOOPS = ("sft", "grpo")
-SETUPS = ("hf", "tigon_head", "tigon", "liger")
 LABELS = {
     "sft": {"hf": "TRL", "tigon_head": "TRL + tigon's head", "tigon": "TRL + tigon", "liger": "TRL + Liger-Kernel"},
     "grpo": {"hf": "TRL's head", "tigon_head": "tigon's head", "tigon": "tigon's head and layers",
