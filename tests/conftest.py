@@ -61,11 +61,12 @@ def seeded():
 def hugging_face_modules_restored():
     """Patching before a model is built changes Hugging Face's modeling modules for the whole
     process (and patching a model changes its module's rotary function): a test using this
-    fixture leaves behind the modules as Hugging Face wrote them. PEFT's LoRA layers, which tigon's
-    patches route through tigon for the whole process, start and end with PEFT's own forward."""
-    from utils import hugging_face_state, restore_hugging_face
+    fixture starts from, and leaves behind, the modules as Hugging Face wrote them and nothing on
+    tigon's record of patches, whatever ran before it (a test elsewhere may patch and not undo).
+    PEFT's LoRA layers, which tigon's patches route through tigon for the whole process, start and
+    end with PEFT's own forward."""
+    from utils import hugging_face_original, restore_hugging_face
 
-    state = hugging_face_state()
-    restore_hugging_face(state)
+    restore_hugging_face(hugging_face_original())
     yield
-    restore_hugging_face(state)
+    restore_hugging_face(hugging_face_original())

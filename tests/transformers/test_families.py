@@ -9,8 +9,16 @@ import transformers
 
 from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
 from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
-from tiny_models import TINY, replay, tiny_config, tiny_model, train
-from utils import ON_GPU, assert_ill_conditioned, hugging_face_as, hugging_face_state, relative_error
+from tiny_models import TINY, Run, replay, tiny_config, tiny_model, train
+from utils import (
+    FP32_MOVES,
+    ON_GPU,
+    assert_ill_conditioned,
+    hugging_face_as,
+    hugging_face_original,
+    moved_by_fp32_rounding,
+    relative_error,
+)
 
 
 def build(model_type, **options):
@@ -93,32 +101,36 @@ BF16_GRADS_FACTOR, BF16_GRADS_STEP_FACTOR, BF16_GRAD_FACTOR, BF16_GRAD_FLOOR = 1
 # attention without RoPE (CLIP's and SigLIP's vision towers), as softmax ignores a shift shared by
 # all keys. Such a gradient is compared absolutely, within ZERO_GRAD of the whole gradient's norm.
 ZERO_GRAD = 1e-7
-# Ill-conditioned gradients are compared with an fp64 replay: see utils.assert_ill_conditioned.
+# Ill-conditioned gradients are compared with fp64 replays: see utils.assert_ill_conditioned.
 
 
 def exact_replay(model_type, truth, batch):
-    """A function giving (once) ``truth``'s weights replayed in fp64 by the model as Hugging Face
-    wrote it, whatever tigon has patched by then (MoE experts by their eager loop, as grouped
-    matmuls take no fp64)."""
-    plain = hugging_face_state()
+    """A function giving (once each) ``truth``'s weights replayed in fp64 by the model as Hugging
+    Face wrote it, whatever tigon has patched by then (MoE experts by their eager loop, as grouped
+    matmuls take no fp64): ``run()`` on the weights themselves, ``run(seed)`` on them moved by one
+    fp32 rounding (utils.moved_by_fp32_rounding)."""
+    plain = hugging_face_original()
 
     @functools.cache
-    def run():
+    def run(seed=None):
+        reference = truth
+        if seed is not None:
+            reference = Run([moved_by_fp32_rounding(weights, seed) for weights in truth.weights], [], [], None)
         with hugging_face_as(plain):
             model = build(model_type).double()
             for module in model.modules():
                 if isinstance(getattr(module, "config", None), transformers.PretrainedConfig):
                     module.config._experts_implementation = "eager"
             inputs = batch and {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
-            return replay(model, truth, inputs)
+            return replay(model, reference, inputs)
 
     return run
 
 
-def assert_grads_match(grads, truth_grads, where, exact=None):
+def assert_grads_match(grads, truth_grads, where, exact_run=None, step=0):
     """Each gradient within TIGHT of the truth's (a zero one within ZERO_GRAD of the whole
-    gradient's norm), or, for an ill-conditioned one, as close to ``exact()``'s (the fp64 replay's
-    gradients, computed when first needed) as the truth's is (utils.assert_ill_conditioned)."""
+    gradient's norm), or, for an ill-conditioned one, as close to the fp64 replay's (``exact_run``,
+    run when first needed, at ``step``) as fp32 reaches (utils.assert_ill_conditioned)."""
     assert grads.keys() == truth_grads.keys()
     scale = torch.cat([grad.flatten().double() for grad in truth_grads.values()]).norm()
     for name, grad in truth_grads.items():
@@ -129,17 +141,17 @@ def assert_grads_match(grads, truth_grads, where, exact=None):
         error = relative_error(grads[name], grad)
         if error <= TIGHT:
             continue
-        assert exact is not None, f"{where}: grad of {name}: relative error {error:.3g}"
-        assert_ill_conditioned(f"{where}: grad of {name}", grads[name], grad, exact()[name])
+        assert exact_run is not None, f"{where}: grad of {name}: relative error {error:.3g}"
+        moved = [exact_run(seed).grads[step][name] for seed in range(FP32_MOVES)]
+        assert_ill_conditioned(f"{where}: grad of {name}", grads[name], grad, exact_run().grads[step][name], moved)
 
 
 def assert_replays(run, truth, exact_run=None):
     """``run`` (a replay of ``truth``) gives ``truth``'s losses, gradients and eval logits;
-    ``exact_run()`` is the fp64 replay, for ill-conditioned gradients."""
+    ``exact_run`` gives the fp64 replays, for ill-conditioned gradients."""
     for step, loss in enumerate(truth.losses):
         assert relative_error(run.losses[step], loss) <= TIGHT, f"loss at step {step}"
-        exact = None if exact_run is None else (lambda step=step: exact_run().grads[step])
-        assert_grads_match(run.grads[step], truth.grads[step], f"step {step}", exact)
+        assert_grads_match(run.grads[step], truth.grads[step], f"step {step}", exact_run, step)
     assert relative_error(run.eval_logits, truth.eval_logits) <= TIGHT, "eval logits"
 
 
@@ -169,7 +181,7 @@ def test_family_trains_like_plain(model_type):
     for step, loss in enumerate(truth.losses):
         limit = TIGHT if step == 0 else LATER_LOSSES
         assert relative_error(run.losses[step], loss) <= limit, f"trained on its own: loss at step {step}"
-    assert_grads_match(run.grads[0], truth.grads[0], "trained on its own, step 0", lambda: exact_run().grads[0])
+    assert_grads_match(run.grads[0], truth.grads[0], "trained on its own, step 0", exact_run)
 
 
 def _flat_grads(grads):

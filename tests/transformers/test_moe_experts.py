@@ -13,7 +13,7 @@ from transformers.integrations.moe import use_experts_implementation
 from tigon.transformers import FAMILIES, apply_tigon, apply_tigon_to_mixtral, moe
 from tiny_family_models import tiny_family_batch, tiny_family_model
 from tiny_models import TINY, tiny_batch, tiny_model
-from utils import assert_ill_conditioned, graph_functions, hugging_face_as, hugging_face_state, relative_error
+from utils import assert_ill_conditioned, graph_functions, hugging_face_as, hugging_face_original, relative_error
 
 # fp32: the loss and every gradient within TIGHT of transformers' grouped_mm (a gradient that is
 # zero, as an expert no token chose, compared absolutely).
@@ -92,7 +92,7 @@ def test_patched_experts_match_eager(model_type):
     On the H100 the fp32 eager loop itself is 1e-3 from fp64 in GPT-OSS's embedding gradient (7e-4
     for the kernel): such a gradient is compared with an fp64 step's by the families' rule."""
     options = FAMILY_OPTIONS[model_type]
-    unpatched = hugging_face_state()
+    unpatched = hugging_face_original()
 
     @functools.cache
     def exact():
