@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import copy
 
-# tigon first: without a GPU it switches on Triton's interpreter before anything else loads Triton.
-from tigon.losses import FusedLinearDPOLoss  # isort: skip
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from tigon.losses import FusedLinearDPOLoss
 
 IGNORE_INDEX = -100
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 
-# tigon first: without a GPU it switches on Triton's interpreter before anything else loads Triton.
-from tigon.losses import FusedLinearGRPOLoss  # isort: skip
-from tigon.losses.grpo import LOSS_TYPES  # isort: skip
-from tigon.transformers import apply_tigon  # isort: skip
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from tigon.losses import FusedLinearGRPOLoss
+from tigon.losses.grpo import LOSS_TYPES
+from tigon.transformers import apply_tigon
 
 VOCAB = ["<pad>", "<eos>", *"0123456789+="]
 PAD, EOS = 0, 1

@@ -29,11 +29,6 @@ import string
 import tempfile
 from importlib import resources
 
-# tigon first: without a GPU it switches on Triton's interpreter, which must happen before anything
-# (here TRL's imports) loads Triton.
-from tigon.transformers import apply_tigon  # isort: skip
-from tigon.trl import patch_trl  # isort: skip
-
 import torch
 from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -41,6 +36,9 @@ from transformers import (
     LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, PrinterCallback, TrainerCallback, set_seed,
 )
 from trl import GRPOConfig, GRPOTrainer
+
+from tigon.transformers import apply_tigon
+from tigon.trl import patch_trl
 
 ALPHABET = " " + string.ascii_lowercase
 

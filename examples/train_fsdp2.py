@@ -36,13 +36,11 @@ import json
 import os
 from pathlib import Path
 
-# tigon first: without a GPU it switches on Triton's interpreter, which must happen before anything
-# (transformers, DeepSpeed) loads Triton.
-from tigon.transformers import apply_tigon_to_llama, apply_tigon_to_qwen3_moe  # isort: skip
-
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from tigon.transformers import apply_tigon_to_llama, apply_tigon_to_qwen3_moe
 
 STRATEGIES = ("fsdp2", "ddp", "zero3", "single")
 DEEPSPEED_CONFIG = Path(__file__).with_name("deepspeed_zero3.json")

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-# tigon first: without a GPU it switches on Triton's interpreter, which must happen before anything
-# (here the Trainer's imports) loads Triton.
-from tigon.transformers import apply_tigon_to_llama  # isort: skip
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from tigon.transformers import apply_tigon_to_llama
 
 
 class CountingDataset(torch.utils.data.Dataset):

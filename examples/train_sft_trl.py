@@ -22,16 +22,14 @@ import argparse
 import tempfile
 from importlib import resources
 
-# tigon first: without a GPU it switches on Triton's interpreter, which must happen before anything
-# (here TRL's imports) loads Triton.
-from tigon.transformers import apply_tigon  # isort: skip
-from tigon.trl import patch_trl  # isort: skip
-
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, set_seed
 from trl import SFTConfig, SFTTrainer
+
+from tigon.transformers import apply_tigon
+from tigon.trl import patch_trl
 
 
 def corpus_paragraphs() -> list[str]:
