@@ -10,13 +10,11 @@ import importlib.util
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tigon.testing import TOLERANCE
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-# Relative error ‖actual − truth‖ / ‖truth‖ allowed per dtype, against a truth computed in fp64
-# from the same input values: one rounding of the output to the dtype, plus fp32 accumulation.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def pick(cpu, gpu):

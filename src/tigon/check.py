@@ -28,11 +28,9 @@ import tigon
 from tigon import functional as F
 from tigon import losses
 from tigon.ops._launch import interpreting
-from tigon.testing import reference
+from tigon.testing import TOLERANCE, reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Relative error allowed against the fp64 truth, per dtype (as the test suite).
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def _no_options(dtype: torch.dtype) -> dict:

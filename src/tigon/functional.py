@@ -17,7 +17,6 @@ from typing import Any, Literal, overload
 import torch
 
 from tigon._checks import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     check_choice,
     check_input_weight_order,

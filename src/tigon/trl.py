@@ -30,9 +30,7 @@ the gradients of a broken guess into NaN (see :mod:`tigon.ops.fused_linear_logpr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -52,13 +50,6 @@ if not hasattr(_trl_utils, "_ChunkedLogProbFunction"):
     )
 
 TRL_HEAD = _trl_utils._ChunkedLogProbFunction
-
-
-def _gather_head(weight: torch.Tensor, bias: torch.Tensor | None) -> AbstractContextManager[Any]:
-    """TRL's gather of a ZeRO-3 head for a direct read, looked up at each call; it takes ``(weight,
-    bias)`` as TRL's own head passes them, ``bias`` ``None`` included (its hint says Parameters)."""
-    gather: Callable[..., AbstractContextManager[Any]] = _trl_utils.maybe_gather_lm_head_ctx
-    return gather(weight, bias)
 
 
 __all__ = ["TigonLogProbHead", "is_patched", "patch_trl", "unpatch_trl"]
@@ -88,7 +79,8 @@ class TigonLogProbHead:
             hidden.to(dtype), weight.to(dtype), targets, None if bias is None else bias.to(dtype),
             temperature=temperature, softcap=final_logit_softcapping, logit_scale=logit_scale, outputs=outputs,
             grad_in_forward=cls.grad_in_forward,
-            backward_context=lambda: _gather_head(weight, bias),
+            # TRL's own head passes (weight, bias) so, bias None included; its hint says Parameters.
+            backward_context=lambda: _trl_utils.maybe_gather_lm_head_ctx(weight, bias),  # type: ignore[arg-type]
         )
         log_probs, entropy = fields[:2]
         if log_probs is not None and log_probs.requires_grad and cls.grad_in_forward:
@@ -117,12 +109,12 @@ def patch_trl() -> None:
 
     Call it before or after building the trainer; :func:`unpatch_trl` restores TRL's head."""
     TigonLogProbHead.grad_in_forward = True
-    setattr(_trl_utils, "_ChunkedLogProbFunction", TigonLogProbHead)
+    _trl_utils._ChunkedLogProbFunction = TigonLogProbHead  # type: ignore[misc, assignment]
 
 
 def unpatch_trl() -> None:
     """Restore TRL's own fused LM head."""
-    setattr(_trl_utils, "_ChunkedLogProbFunction", TRL_HEAD)
+    _trl_utils._ChunkedLogProbFunction = TRL_HEAD  # type: ignore[misc]
 
 
 def is_patched() -> bool:

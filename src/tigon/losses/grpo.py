@@ -138,7 +138,8 @@ def per_token_losses(
         if options.delta is not None:
             ratio = ratio.clamp(max=options.delta)
         losses = -torch.minimum(ratio * advantages, clipped * advantages)
-    if options.beta != 0.0 and ref is not None:  # _check_args requires ref when beta != 0
+    if options.beta != 0.0:
+        assert ref is not None, "_check_args requires ref_per_token_logps where beta != 0"
         losses = losses + options.beta * k3_kl(logps, ref)
     return losses, ratio
 
@@ -176,7 +177,8 @@ def _metrics(
     metrics = {"entropy": _masked_mean(entropy, mask)}
     ratio = per_token_losses(logps, old, ref, advantages, mask, options)[1]
     advantages = advantages.unsqueeze(-1)
-    if options.beta != 0.0 and ref is not None:
+    if options.beta != 0.0:
+        assert ref is not None, "_check_args requires ref_per_token_logps where beta != 0"
         metrics["kl"] = _masked_mean(k3_kl(logps, ref), mask)
     per_completion = options.importance_sampling_level == "sequence"
     if options.loss_type in CLIPPED_TYPES:

@@ -17,10 +17,11 @@ The formulas are those of TRL's trainers, as each docstring writes; ``σ`` is th
 
 The optional tensors (``bias``, the reference's ``ref_input``, ``ref_weight``, ``ref_bias``,
 KTO's ``kl``) and the options are keyword-only: ``bias`` and ``ref_bias`` share a shape, so a
-positional mix-up would go unnoticed. Each call returns ``(loss, metrics)``: the fp32 scalar loss and a dict of detached fp32 tensors,
-per pair (or per sequence for KTO). Gradients flow to ``input``, ``weight`` and ``bias``; the
-reference's tensors, KTO's ``kl`` and the options (``beta``...) are constants: given as tensors
-that require grad, they are refused rather than silently left without a gradient.
+positional mix-up would go unnoticed. Each call returns ``(loss, metrics)``: the fp32 scalar loss
+and a dict of detached fp32 tensors, per pair (or per sequence for KTO). Gradients flow to
+``input``, ``weight`` and ``bias``; the reference's tensors, KTO's ``kl`` and the options
+(``beta``...) are constants: given as tensors that require grad, they are refused rather than
+silently left without a gradient.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ def _nll_metric(logps: torch.Tensor, target: torch.Tensor, ignore_index: int) ->
 
 
 def fused_linear_dpo(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
+    ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
     beta: float = 0.1, ignore_index: int = -100, compute_nll_loss: bool = False, chunk_memory_bytes: int | None = None,
 ) -> PreferenceResult:
     """Direct preference optimisation (sigmoid loss)::
@@ -185,8 +186,8 @@ def fused_linear_dpo(
 
 
 def fused_linear_cpo(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
+    ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
     beta: float = 0.1, alpha: float = 1.0, label_smoothing: float = 0.0, ignore_index: int = -100,
     chunk_memory_bytes: int | None = None,
 ) -> PreferenceResult:
@@ -216,8 +217,8 @@ def fused_linear_cpo(
 
 
 def fused_linear_simpo(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
+    ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
     beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0, ignore_index: int = -100,
     chunk_memory_bytes: int | None = None,
 ) -> PreferenceResult:
@@ -245,8 +246,8 @@ def fused_linear_simpo(
 
 
 def fused_linear_orpo(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
-    ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
+    ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
     beta: float = 0.1, ignore_index: int = -100, chunk_memory_bytes: int | None = None,
 ) -> PreferenceResult:
     """Odds-ratio preference optimisation, on length-averaged log-probs (no reference model)::
@@ -285,7 +286,8 @@ def fused_linear_orpo(
 
 def fused_linear_kto(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, preference_labels: torch.Tensor, *,
-    bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
     kl: torch.Tensor | float | None = None, beta: float = 0.1, desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0, ignore_index: int = -100, chunk_memory_bytes: int | None = None,
 ) -> PreferenceResult:
@@ -331,8 +333,8 @@ def fused_linear_kto(
 
 @torch.compiler.disable
 def fused_linear_sequence_logps(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None, ignore_index: int = -100,
-    chunk_memory_bytes: int | None = None,
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
+    ignore_index: int = -100, chunk_memory_bytes: int | None = None,
 ) -> torch.Tensor:
     """``[S]`` fp32 summed log-probabilities of ``target [S, T]`` under ``input [S, T, H] @ weightᵀ
     (+ bias)``, chunked like the losses, for constants (reference models, KTO's KL baseline): the
@@ -365,7 +367,8 @@ class _PairedPreferenceLoss(_PreferenceLoss):
 
     def forward(
         self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, bias: torch.Tensor | None = None,
-        ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
     ) -> PreferenceResult:
         return type(self).loss_fn(input, weight, target, bias=bias, ref_input=ref_input, ref_weight=ref_weight,
                                   ref_bias=ref_bias, **self.options)
@@ -431,7 +434,8 @@ class FusedLinearKTOLoss(_PreferenceLoss):
 
     def forward(
         self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, preference_labels: torch.Tensor, *,
-        bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None, ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None, ref_input: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
         kl: torch.Tensor | float | None = None,
     ) -> PreferenceResult:
         return fused_linear_kto(input, weight, target, preference_labels, bias=bias, ref_input=ref_input,

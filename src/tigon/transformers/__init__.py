@@ -33,7 +33,6 @@ from tigon.transformers.families import FAMILIES, Experts, Family, Mlp, Norm, Ro
 from tigon.transformers.kernel_hub import export_kernels, kernel_config
 from tigon.transformers.patching import (
     FLAG_DEFAULTS,
-    LAYER_FLAGS,
     ModelT,
     base_model,
     check_flags,
