@@ -75,6 +75,7 @@ bench e2e ...`` installs them and runs it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -422,6 +423,11 @@ def run_child(args) -> int:
             torch.cuda.empty_cache()
     if distributed:
         rank = dist.get_rank()
+        # Once every rank has let go of its model (FSDP2 holds the group) and reached here: a gloo
+        # group torn down while a peer still uses it aborts the process ("terminate called without
+        # an active exception"), as the examples' processes also guard against.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
         if rank:
             return 0
