@@ -459,9 +459,11 @@ def geglu_linear(
 
 def _check_gated_mlp_args(
     x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor,
-    loras: dict[str, LoraAdapter | None],
+    loras: dict[str, LoraAdapter | None], tile_tokens: int | None,
 ) -> None:
     check_tensor("x", x)
+    if tile_tokens is not None and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1):
+        raise ValueError(f"tile_tokens must be a positive int or None, got {tile_tokens!r}")
     for name, weight in (("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)):
         check_tensor(name, weight, dim=2)
     n_inter, n_hidden = gate_weight.shape
@@ -500,6 +502,7 @@ def _check_adapter(
 def swiglu_mlp(
     x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, *,
     gate_lora: LoraAdapter | None = None, up_lora: LoraAdapter | None = None, down_lora: LoraAdapter | None = None,
+    tile_tokens: int | None = None,
 ) -> torch.Tensor:
     """A Llama MLP, ``(silu(x @ gate_weightᵀ) · (x @ up_weightᵀ)) @ down_weightᵀ``, that keeps
     only its inputs for backward, with an optional LoRA adapter on each projection.
@@ -519,25 +522,32 @@ def swiglu_mlp(
     products are recomputed in backward with the projections, and its weights get gradients
     (in their own dtype) while the base weights, if frozen, get none.
 
+    ``tile_tokens`` (long sequences) runs forward and backward over tiles of that many tokens (rows
+    of ``x``): no ``[N, I]`` tensor exists, only ``[tile_tokens, I]`` ones, at the same matmuls.
+    Each token's output and input gradient are computed within its tile; the weight and adapter
+    gradients are summed over the tiles in fp32.
+
     Args:
         x: ``[..., H]``.
         gate_weight, up_weight: ``[I, H]``; down_weight: ``[H, I]``; all of ``x``'s dtype.
         gate_lora, up_lora, down_lora: ``None`` or ``(lora_a, lora_b, scaling)``.
+        tile_tokens: a positive int, or ``None`` for one tile of every token.
     Returns ``[..., H]``.
     """
     loras = dict(gate=gate_lora, up=up_lora, down=down_lora)
-    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras)
-    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "silu", tuple(loras.values()))
+    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras, tile_tokens)
+    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "silu", tuple(loras.values()), tile_tokens)
 
 
 def geglu_mlp(
     x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, *,
     gate_lora: LoraAdapter | None = None, up_lora: LoraAdapter | None = None, down_lora: LoraAdapter | None = None,
+    tile_tokens: int | None = None,
 ) -> torch.Tensor:
     """The GeGLU MLP (``gelu_tanh`` gate, Gemma's) as :func:`swiglu_mlp`."""
     loras = dict(gate=gate_lora, up=up_lora, down=down_lora)
-    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras)
-    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "gelu_tanh", tuple(loras.values()))
+    _check_gated_mlp_args(x, gate_weight, up_weight, down_weight, loras, tile_tokens)
+    return _gated.gated_mlp(x, gate_weight, up_weight, down_weight, "gelu_tanh", tuple(loras.values()), tile_tokens)
 
 
 def lora_linear(

@@ -241,16 +241,21 @@ def _plain_mlp(x, gate_weight, up_weight, down_weight, gate_fn):
 MLP_SIZES = pick(cpu=[(72, 200), (64, 64)], gpu=[(1024, 2816), (4096, 14336)])
 
 
+# Tokens per tile of the tiled MLP: a short last tile of the 3 × 37 (3 × 1000) rows below.
+TILE_TOKENS = pick(cpu=29, gpu=1024)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sizes", MLP_SIZES)
 @pytest.mark.parametrize("gate_name", MLP_FUNCTIONS)
-def test_gated_mlp(gate_name, sizes, dtype):
+@pytest.mark.parametrize("tile_tokens", [None, TILE_TOKENS], ids=["whole", "tiled"])
+def test_gated_mlp(gate_name, sizes, dtype, tile_tokens):
     fn, truth_gate = MLP_FUNCTIONS[gate_name]
     hidden, inter = sizes
     x = randn(3, pick(cpu=37, gpu=1000), hidden, dtype=dtype, requires_grad=True)
     weights = _mlp_weights(hidden, inter, dtype)
     x64, *weights64 = leaf_copies(x, *weights)
-    out = fn(x, *weights)
+    out = fn(x, *weights, tile_tokens=tile_tokens)
     truth = _plain_mlp(x64, *weights64, truth_gate)
     # Gate and up round to the dtype before the gate, the product again before the down matmul.
     assert_close(out, truth, dtype, "output", 2.0)
@@ -258,7 +263,8 @@ def test_gated_mlp(gate_name, sizes, dtype):
     out.backward(dout)
     truth.backward(dout.double())
     # Every gradient passes through two rounded intermediates (dh, then d_gate / d_up); the input's
-    # is in addition a sum of per-slice matmuls rounded to the dtype.
+    # is in addition a sum of per-slice matmuls rounded to the dtype. Tiled, the weights' are sums
+    # over the tiles in fp32, of partial sums each rounded to the dtype.
     for name, tensor, truth_tensor in zip(("x", "gate", "up", "down"), (x, *weights), (x64, *weights64)):
         assert_close(tensor.grad, truth_tensor.grad, dtype, f"grad of {name}", 3.0 if name == "x" else 2.0)
 
@@ -269,6 +275,32 @@ def test_gated_mlp_forward_is_the_plain_mlp(gate_name):
     x = randn(2, 19, 72, dtype=torch.bfloat16)
     weights = _mlp_weights(72, 200, torch.bfloat16, requires_grad=False)
     assert torch.equal(fn(x, *weights), _plain_mlp(x, *weights, GATES[gate_name][0]))
+
+
+def test_tiled_mlp_forward_is_the_whole_one_and_holds_one_tile(monkeypatch):
+    x = randn(2, 45, 72, requires_grad=True)
+    weights = _mlp_weights(72, 200, torch.float32)
+    whole = tf.swiglu_mlp(x, *weights)
+    rows_seen = []
+    for name in ("gated_fwd", "gated_bwd_recompute"):
+        kernel = getattr(gated_ops, name)
+        monkeypatch.setattr(
+            gated_ops, name, lambda dout_or_gate, *args, kernel=kernel: rows_seen.append(dout_or_gate.shape[0])
+            or kernel(dout_or_gate, *args)
+        )
+    tiled = tf.swiglu_mlp(x, *weights, tile_tokens=32)
+    assert torch.equal(tiled, whole)
+    tiled.sum().backward()
+    # Forward: tiles of 32 and 90 − 64 = 26 tokens; backward: the same tiles, two slices of the 200 features each.
+    assert rows_seen == [32, 32, 26] + [32, 32] * 2 + [26, 26]
+
+
+@pytest.mark.parametrize("tile_tokens", [0, -4, 2.5, True, "auto"])
+def test_gated_mlp_bad_tile_tokens_is_named(tile_tokens):
+    x = randn(4, 16)
+    weights = _mlp_weights(16, 40, torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match=rf"tile_tokens must be a positive int or None, got {tile_tokens!r}"):
+        tf.swiglu_mlp(x, *weights, tile_tokens=tile_tokens)
 
 
 def test_gated_mlp_keeps_only_its_inputs():

@@ -163,11 +163,12 @@ def _mlp_with_adapters(hidden, inter, dtype, adapter_dtype, ranks):
 @pytest.mark.parametrize("sizes", MLP_LORA_SIZES)
 @pytest.mark.parametrize("adapter_dtype", ADAPTER_DTYPES)
 @pytest.mark.parametrize("ranks", [(8, 8, 8), (5, None, 16)], ids=["all", "gate_down"])
-def test_gated_mlp_with_adapters(sizes, dtype, adapter_dtype, ranks):
+@pytest.mark.parametrize("tile_tokens", [None, pick(cpu=29, gpu=1024)], ids=["whole", "tiled"])
+def test_gated_mlp_with_adapters(sizes, dtype, adapter_dtype, ranks, tile_tokens):
     hidden, inter = sizes
     x = randn(3, pick(cpu=37, gpu=1000), hidden, dtype=dtype, requires_grad=True)
     base, loras = _mlp_with_adapters(hidden, inter, dtype, ADAPTER_DTYPES[adapter_dtype], ranks)
-    out = tf.swiglu_mlp(x, *base, gate_lora=loras[0], up_lora=loras[1], down_lora=loras[2])
+    out = tf.swiglu_mlp(x, *base, gate_lora=loras[0], up_lora=loras[1], down_lora=loras[2], tile_tokens=tile_tokens)
     x64, *base64 = leaf_copies(x, *base)
     loras64 = [None if lora is None else (*leaf_copies(*lora[:2]), lora[2]) for lora in loras]
     truth = reference.gated_mlp(x64, *base64, reference.swiglu, *loras64)

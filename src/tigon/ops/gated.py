@@ -554,36 +554,63 @@ class GatedMLPFunction(torch.autograd.Function):
 
     The weight gradients are exact slices (each reduces over all ``N`` rows); only ``dx`` is a
     sum over slices. The adapters' terms are in :class:`_GatedMLPBackward`.
+
+    With ``tile_rows`` (long sequences), forward and backward run over tiles of that many rows
+    (tokens), so no ``[N, I]`` tensor exists, only ``[tile_rows, I]`` ones: each row's output and
+    ``dx`` are computed within its tile, and the weight gradients are summed over the tiles in fp32.
     """
 
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, down_weight, gate_a, gate_b, up_a, up_b, down_a, down_b,
-                scalings, activation, slice_width):
+                scalings, activation, slice_width, tile_rows):
         save_inputs(ctx, x, gate_weight, up_weight, down_weight, gate_a, gate_b, up_a, up_b, down_a, down_b)
-        ctx.scalings, ctx.activation, ctx.slice_width = scalings, activation, slice_width
+        ctx.scalings, ctx.activation, ctx.slice_width, ctx.tile_rows = scalings, activation, slice_width, tile_rows
         x_rows = as_rows(x)
         gate_adapter, up_adapter, down_adapter = _lora.adapters(
             x.dtype, (gate_a, gate_b, up_a, up_b, down_a, down_b), scalings
         )
-        linear = torch.nn.functional.linear
-        gate, up = linear(x_rows, gate_weight), linear(x_rows, up_weight)
-        u_gate, u_up = _lora.down_project(x_rows, gate_adapter, up_adapter)
-        _lora.add_adapter_(gate, u_gate, gate_adapter)
-        _lora.add_adapter_(up, u_up, up_adapter)
-        h = gated_fwd(gate, up, activation)
-        out = linear(h, down_weight)
-        _lora.add_adapter_(out, *_lora.down_project(h, down_adapter), down_adapter)
+        out = x_rows.new_empty(x_rows.shape[0], down_weight.shape[0])
+        for rows in token_tiles(x_rows.shape[0], tile_rows):
+            x_tile = x_rows[rows]
+            gate, up = x_tile @ gate_weight.T, x_tile @ up_weight.T
+            u_gate, u_up = _lora.down_project(x_tile, gate_adapter, up_adapter)
+            _lora.add_adapter_(gate, u_gate, gate_adapter)
+            _lora.add_adapter_(up, u_up, up_adapter)
+            h = gated_fwd(gate, up, activation)
+            del gate, up
+            torch.mm(h, down_weight.T, out=out[rows])
+            _lora.add_adapter_(out[rows], *_lora.down_project(h, down_adapter), down_adapter)
         return out.view(*x.shape[:-1], down_weight.shape[0])
 
     @staticmethod
     def backward(ctx, dout):
         x, *tensors = kept_tensors(ctx)
-        state = _GatedMLPBackward(ctx, x, dout, tensors)
-        for start in range(0, tensors[0].shape[0], ctx.slice_width):
-            # In a call of its own, so that a slice's tensors are freed before the next one's exist.
-            state.add_slice(slice(start, start + ctx.slice_width))
-        grad_x, grads = state.finish()
-        return grad_x, *grads, None, None, None
+        x_rows, dout_rows = as_rows(x), as_rows(dout)
+        tiles = token_tiles(x_rows.shape[0], ctx.tile_rows)
+        grad_x = x_rows.new_empty(x_rows.shape) if kept_x_needs_grad(ctx) and len(tiles) > 1 else None
+        grads: list = []
+        for rows in tiles:
+            # In calls of their own, so that a slice's tensors are freed before the next one's exist.
+            state = _GatedMLPBackward(ctx, x_rows[rows], dout_rows[rows], tensors)
+            for start in range(0, tensors[0].shape[0], ctx.slice_width):
+                state.add_slice(slice(start, start + ctx.slice_width))
+            grad_x_tile, tile_grads = state.finish()
+            if len(tiles) == 1:
+                grad_x, grads = grad_x_tile, tile_grads
+                break
+            if grad_x is not None:
+                grad_x[rows] = grad_x_tile
+            # Each tile's weight gradients are exact over its rows; their sum over tiles is in fp32.
+            if not grads:
+                grads = [None if grad is None else grad.float() for grad in tile_grads]
+            else:
+                for total, grad in zip(grads, tile_grads):
+                    if grad is not None:
+                        total.add_(grad)
+        if len(tiles) > 1:
+            grads = [None if grad is None else grad.to(t.dtype) for grad, t in zip(grads, tensors)]
+        grad_x = None if grad_x is None else grad_x.view(x.shape)
+        return grad_x, *grads, None, None, None, None
 
 
 class _GatedMLPBackward:
@@ -684,13 +711,34 @@ class _GatedMLPBackward:
         return grad_x, [*self.grads, *lora_grads]
 
 
-def gated_mlp(x, gate_weight, up_weight, down_weight, activation, adapters=(None, None, None)):
+# Rows per tile of a tiled MLP with tile_tokens="auto": as many as keep one [rows, I] tensor within
+# this many bytes (at least MIN_AUTO_TILE_ROWS, in multiples of it: the matmuls stay wide).
+AUTO_TILE_BYTES = 256 * 2**20
+MIN_AUTO_TILE_ROWS = 1024
+
+
+def auto_tile_rows(n_inter: int, element_size: int) -> int:
+    """The rows per tile that ``tile_tokens="auto"`` picks for an MLP of ``n_inter`` intermediate
+    features in a dtype of ``element_size`` bytes."""
+    rows = AUTO_TILE_BYTES // (n_inter * element_size)
+    return max(MIN_AUTO_TILE_ROWS, rows // MIN_AUTO_TILE_ROWS * MIN_AUTO_TILE_ROWS)
+
+
+def token_tiles(n_rows: int, tile_rows: int | None) -> list[slice]:
+    """Consecutive row ranges of ``tile_rows`` rows (one range of all ``n_rows`` for ``None``)."""
+    if tile_rows is None or tile_rows >= n_rows:
+        return [slice(0, n_rows)]
+    return [slice(start, min(start + tile_rows, n_rows)) for start in range(0, n_rows, tile_rows)]
+
+
+def gated_mlp(x, gate_weight, up_weight, down_weight, activation, adapters=(None, None, None), tile_rows=None):
     """A gated MLP on ``x [..., H]`` (weights ``[I, H], [I, H], [H, I]``) that keeps only its
     inputs for backward; ``adapters`` holds an optional ``(lora_a, lora_b, scaling)`` per
-    projection (gate, up, down). Inputs validated by :mod:`tigon.functional`.
+    projection (gate, up, down); ``tile_rows`` (or ``None``) the rows of ``x`` per tile.
+    Inputs validated by :mod:`tigon.functional`.
 
     The backward's slices of the intermediate dimension are as wide as ``H`` at most (rounded to
-    a multiple of 64), so each slice's tensors are no larger than ``x``.
+    a multiple of 64), so each slice's tensors are no larger than ``x`` (than a tile of it).
     """
     n_inter, n_hidden = gate_weight.shape
     n_slices = cdiv(n_inter, n_hidden)
@@ -699,7 +747,7 @@ def gated_mlp(x, gate_weight, up_weight, down_weight, activation, adapters=(None
     scalings = tuple(float(adapter[2]) if adapter else 0.0 for adapter in adapters)
     x_kept = keep_for_backward(x, gate_weight, up_weight, down_weight, *lora_tensors)
     return GatedMLPFunction.apply(
-        x_kept, gate_weight, up_weight, down_weight, *lora_tensors, scalings, activation, slice_width
+        x_kept, gate_weight, up_weight, down_weight, *lora_tensors, scalings, activation, slice_width, tile_rows
     )
 
 

@@ -28,9 +28,16 @@ from typing import TYPE_CHECKING, Any, Protocol, overload
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from tigon.transformers import moe
-from tigon.transformers.checkpointing import CheckpointingPlan, fit_checkpointing, measure_step_peak, set_checkpointing
+from tigon.transformers.checkpointing import (
+    CheckpointingPlan,
+    fit_checkpointing,
+    measure_step_peak,
+    offload_host_bytes,
+    set_checkpointing,
+)
 from tigon.transformers.families import FAMILIES, Experts, Family, Mlp, Norm, Rope
 from tigon.transformers.kernel_hub import export_kernels, kernel_config
+from tigon.transformers.layers import check_tile_tokens, set_mlp_tiling
 from tigon.transformers.patching import (
     FLAG_DEFAULTS,
     ModelT,
@@ -89,7 +96,9 @@ __all__ = [
     "fit_checkpointing",
     "kernel_config",
     "measure_step_peak",
+    "offload_host_bytes",
     "set_checkpointing",
+    "set_mlp_tiling",
     "unapply_tigon",
     *(patcher.__name__ for patcher in PATCHERS.values()),
     *(unpatcher.__name__ for unpatcher in UNPATCHERS.values()),
@@ -98,12 +107,14 @@ __all__ = [
 FLAGS = tuple(FLAG_DEFAULTS)
 
 
-def apply_tigon(model: ModelT, **flags: bool) -> ModelT:
+def apply_tigon(model: ModelT, *, mlp_tile_tokens: int | str | None = None, **flags: bool) -> ModelT:
     """Patch ``model`` in place with its family's patcher, chosen by ``model.config.model_type``.
 
     ``model`` is a Hugging Face ``PreTrainedModel`` or a PEFT model wrapping one. ``flags`` are
     the patcher's, each ``True`` or ``False`` (e.g. ``swiglu=False``, ``rope=False``,
-    ``experts=False``; all are listed by :data:`FLAGS`). Returns ``model``;
+    ``experts=False``; all are listed by :data:`FLAGS`). ``mlp_tile_tokens`` (an int, ``"auto"``)
+    runs the gated MLPs over tiles of the sequence, for long contexts (:func:`set_mlp_tiling`;
+    ``None``: one tile). Returns ``model``;
     :func:`unapply_tigon` undoes it. Raises ``TypeError`` for a model that is not a Hugging Face
     model and for an unknown or non-boolean flag, ``ValueError`` for a family tigon does not support.
     """
@@ -121,7 +132,15 @@ def apply_tigon(model: ModelT, **flags: bool) -> ModelT:
             f"supported: {', '.join(sorted(PATCHERS))}"
         )
     check_flags("apply_tigon", flags)
-    return PATCHERS[model_type](model=model, **flags)
+    check_tile_tokens(mlp_tile_tokens)
+    PATCHERS[model_type](model=model, **flags)
+    if mlp_tile_tokens is not None:
+        try:
+            set_mlp_tiling(model, mlp_tile_tokens)
+        except ValueError:
+            unapply_tigon(model)  # refused: the model is left as it was
+            raise
+    return model
 
 
 class _AutoTigon:

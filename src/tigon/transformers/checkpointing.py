@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from tigon.transformers.offload import ActivationOffloader, OffloadedCheckpoint
+
 # Part of the budget kept free when layers keep their activations (see the module docstring).
 HEADROOM_FRACTION = 0.02
 
@@ -78,8 +80,12 @@ def checkpointing_layers(model: torch.nn.Module) -> list[GradientCheckpointingLa
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
-def set_checkpointing(model: torch.nn.Module, kept: int) -> None:
+def set_checkpointing(model: torch.nn.Module, kept: int, *, offload: bool = False) -> None:
     """Recompute every checkpointing layer of ``model`` in backward except the last ``kept``.
+
+    With ``offload``, the recomputed layers keep their saved inputs in pinned host memory until
+    their backward instead of on the device (:mod:`tigon.transformers.offload`; the gradients are
+    unchanged). :func:`offload_host_bytes` tells the host memory that takes.
 
     Enables Hugging Face's non-reentrant gradient checkpointing first when the model has none set
     up (a model on which ``gradient_checkpointing_enable(...)`` was called keeps its function).
@@ -89,14 +95,38 @@ def set_checkpointing(model: torch.nn.Module, kept: int) -> None:
         raise ValueError(f"{type(model).__name__} has no gradient-checkpointing layers (GradientCheckpointingLayer)")
     if not 0 <= kept <= len(layers):
         raise ValueError(f"kept must be in [0, {len(layers)}] ({len(layers)} checkpointing layers), got {kept}")
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be True or False, got {offload!r}")
     if not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offloader = _offloader(model) if offload else None
     for index, layer in enumerate(layers):
+        recomputed = index < len(layers) - kept
+        checkpoint = layer._gradient_checkpointing_func
+        if isinstance(checkpoint, OffloadedCheckpoint):
+            checkpoint = checkpoint.checkpoint
+        if offloader is not None and recomputed:
+            checkpoint = OffloadedCheckpoint(checkpoint, offloader)
         # The layer's modules too: tigon's MLP reads its own flag, set by gradient_checkpointing_enable(),
         # and under checkpointing recomputes its projections in backward to save memory.
         for module in layer.modules():
             if hasattr(module, "gradient_checkpointing"):
-                module.gradient_checkpointing = index < len(layers) - kept
+                module.gradient_checkpointing = recomputed
+                module._gradient_checkpointing_func = checkpoint
+
+
+def offload_host_bytes(model: torch.nn.Module) -> int:
+    """The pinned host memory (bytes) that ``model``'s offloaded checkpoints hold: as much as their
+    largest training step needed so far (0 before the first step, or without offload)."""
+    offloader = getattr(model, "_tigon_offloader", None)
+    return 0 if offloader is None else offloader.host_bytes
+
+
+def _offloader(model: torch.nn.Module) -> ActivationOffloader:
+    """``model``'s offloader, made on first use (its host buffers are kept across steps)."""
+    if getattr(model, "_tigon_offloader", None) is None:
+        model._tigon_offloader = ActivationOffloader()
+    return model._tigon_offloader
 
 
 def fit_checkpointing(

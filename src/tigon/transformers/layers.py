@@ -14,6 +14,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from tigon import functional as F
+from tigon.ops.gated import auto_tile_rows
 from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
@@ -105,9 +106,14 @@ class TigonMLP:
         checkpoint_options = getattr(self._gradient_checkpointing_func, "keywords", {})
         return (
             self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-            and checkpoint_options.get("use_reentrant") is False
-            and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()
+            and checkpoint_options.get("use_reentrant") is False and self._plain_dtype_and_eager(x)
         )
+
+    @staticmethod
+    def _plain_dtype_and_eager(x) -> bool:
+        """Whether the whole-MLP function may run: no autocast (it computes in ``x``'s dtype) and
+        no torch.compile (which recomputes by its own rules)."""
+        return not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()
 
 
 class TigonGatedMLP(TigonMLP):
@@ -118,16 +124,26 @@ class TigonGatedMLP(TigonMLP):
     recomputation stops at the MLP's input and the backward recomputes the projections and their
     adapters slice by slice, the same matmuls in a fraction of the memory. Otherwise (and for
     other wrapped or hooked projections) the projections are called as modules.
+
+    With ``tile_tokens`` set (:func:`set_mlp_tiling`), the same function runs over tiles of the
+    sequence, in every layer, checkpointed or not.
     """
+
+    tile_tokens: int | str | None = None
 
     def forward(self, x):
         projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if self._recomputed_by_checkpointing(x):
+        tiled = self.tile_tokens is not None and self._plain_dtype_and_eager(x)
+        if tiled or self._recomputed_by_checkpointing(x):
             parts = [mlp_projection(linear, x) for linear in projections]
             if None not in parts:
                 (gate, gate_lora), (up, up_lora), (down, down_lora) = parts
+                tile_tokens = self.tile_tokens
+                if tile_tokens == "auto":
+                    tile_tokens = auto_tile_rows(gate.shape[0], x.element_size())
                 return getattr(F, f"{self.gate}_mlp")(
-                    x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora
+                    x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora,
+                    tile_tokens=tile_tokens,
                 )
         return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
 
@@ -180,6 +196,35 @@ def follow_gradient_checkpointing(model) -> None:
     for module in model.modules():
         if isinstance(module, TigonMLP):
             module.gradient_checkpointing, module._gradient_checkpointing_func = True, checkpoint
+
+
+def check_tile_tokens(tile_tokens) -> None:
+    """Raise unless ``tile_tokens`` is a positive int, ``"auto"`` or ``None``."""
+    if tile_tokens is not None and tile_tokens != "auto" and (
+        isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1
+    ):
+        raise ValueError(f"mlp_tile_tokens must be a positive int, 'auto' or None, got {tile_tokens!r}")
+
+
+def set_mlp_tiling(model, tile_tokens: int | str | None) -> None:
+    """Run ``model``'s patched gated MLPs over tiles of ``tile_tokens`` tokens of the sequence, in
+    forward, recomputation and backward (:func:`tigon.functional.swiglu_mlp`): one tile's
+    ``[tile, I]`` intermediates exist at a time instead of the whole sequence's, exactly. ``"auto"``
+    picks tiles whose ``[tile, I]`` tensor is within 256 MiB (at least 1024 tokens); ``None`` turns
+    tiling off. For long sequences: at a few thousand tokens one tile holds everything anyway.
+
+    Raises ``ValueError`` for a model without a patched MLP of separate gate, up and down
+    projections (the MLPs tiling applies to), or a ``tile_tokens`` that is neither.
+    """
+    check_tile_tokens(tile_tokens)
+    mlps = [module for module in model.modules() if isinstance(module, TigonGatedMLP)]
+    if not mlps and tile_tokens is not None:
+        raise ValueError(
+            f"{type(model).__name__} has no MLP that tigon tiles (a patched gated MLP with gate_proj, up_proj and "
+            "down_proj): patch it with apply_tigon first, with swiglu or geglu on"
+        )
+    for mlp in mlps:
+        mlp.tile_tokens = tile_tokens
 
 
 def check_activation(layer, tigon_class=None) -> None:

@@ -237,7 +237,7 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
 
 def unpatch_layers(model: nn.Module) -> None:
     """Give back to each module of ``model`` what :func:`patch_layers` and the loss path changed:
-    its Hugging Face class (with the checkpointing attributes tigon gave a patched MLP), its
+    its Hugging Face class (without the checkpointing and tiling attributes tigon gave a patched MLP), its
     experts implementation, and its head without the fused loss's hook."""
     for layer in model.modules():
         original = getattr(type(layer), "tigon_replaces", None)
@@ -246,6 +246,7 @@ def unpatch_layers(model: nn.Module) -> None:
             if not isinstance(layer, GradientCheckpointingLayer):
                 vars(layer).pop("gradient_checkpointing", None)
                 vars(layer).pop("_gradient_checkpointing_func", None)
+                vars(layer).pop("tile_tokens", None)
         moe.restore_experts(layer)
         unhook_head_loss(layer)
 

@@ -1,0 +1,169 @@
+"""Offloaded checkpoints: a recomputed layer's saved input waits in host memory for its backward.
+
+Under gradient checkpointing each recomputed decoder layer keeps one tensor from its forward to
+its backward: its input hidden states, ``T × H`` values per sequence (8 KiB per token per layer
+for an 8B model in bf16: 64 GiB at 256K tokens over 32 layers). That is what limits the sequence
+length once everything else is checkpointed or chunked. :class:`ActivationOffloader` moves it to
+host memory instead, and back before the layer recomputes:
+
+- **Forward**: as the layer's checkpoint saves its input, a copy to a pinned host buffer is queued
+  on a side stream, after the compute stream's work that produced it; the device tensor is freed
+  once that copy is done (``record_stream``), while the compute stream runs the next layers.
+- **Backward**: layers recompute in the reverse order. When one asks for its input (waiting for
+  it if it is still on its way), the copy back of the next one to recompute starts on the side
+  stream, overlapped with this layer's recomputation and backward. At most two layers' inputs are
+  on the device at a time.
+- **Buffers**: pinned host buffers are allocated as needed the first step and reused by later
+  ones (a buffer is free again once the autograd graph that saved it is freed); buffers smaller
+  than a new request are released first, so a run whose sequences grow does not keep the short
+  ones' buffers. :attr:`ActivationOffloader.host_bytes` is what is held.
+
+The copies are exact: the gradients are bitwise those of the same checkpointing without offload.
+On a CPU model the same path runs without streams: a copy into a separate host buffer and back.
+
+Only the layer's first positional argument (the hidden states) moves; what a layer gets by keyword
+(rotary tables, masks, shared by all layers) stays where Hugging Face keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+class _HostCopy:
+    """A saved tensor while it is in host memory: its buffer, and its device copy once fetched."""
+
+    def __init__(self, buffer: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+        self.buffer, self.shape, self.dtype, self.device = buffer, shape, dtype, device
+        self.fetched: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+
+    def host_view(self) -> torch.Tensor:
+        return self.buffer[: self.shape.numel() * self.dtype.itemsize].view(self.dtype).view(self.shape)
+
+
+class ActivationOffloader:
+    """Moves saved layer inputs to host memory in forward and back ahead of their recomputation
+    (see the module docstring). One per model; :func:`offloaded_checkpoint` makes a layer's
+    checkpoint function use it."""
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None
+        self._free: list[torch.Tensor] = []  # uint8 host buffers no saved tensor uses
+        self._held = 0
+        # The saved inputs in host memory, in the order their layers ran, until fetched.
+        self._waiting: list[weakref.ref[_HostCopy]] = []
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held by the buffers, in use or free (bytes)."""
+        return self._held
+
+    @contextlib.contextmanager
+    def saving(self, tensor: torch.Tensor) -> Iterator[None]:
+        """Inside, a save of ``tensor`` by autograd (a checkpoint saving its input) goes to host memory."""
+        def pack(saved: torch.Tensor) -> Any:
+            return self._offload(saved) if saved is tensor else saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        fitting = [buffer for buffer in self._free if buffer.numel() >= nbytes]
+        if fitting:
+            buffer = min(fitting, key=torch.Tensor.numel)
+            self._free.remove(buffer)
+            return buffer
+        # Nothing free is large enough: the free buffers are from shorter sequences; let them go.
+        self._held -= sum(buffer.numel() for buffer in self._free)
+        self._free.clear()
+        self._held += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+
+    def _offload(self, tensor: torch.Tensor) -> _HostCopy:
+        stream = self._side_stream(tensor.device)
+        saved = _HostCopy(self._buffer(tensor.nbytes, pin=stream is not None), tensor.shape, tensor.dtype, tensor.device)
+        weakref.finalize(saved, self._release, saved.buffer)
+        if stream is None:
+            saved.host_view().copy_(tensor)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                saved.host_view().copy_(tensor.detach(), non_blocking=True)
+            # The compute stream may free the tensor now; its memory is not reused before the copy ends.
+            tensor.record_stream(stream)
+        self._waiting = [ref for ref in self._waiting if ref() is not None] + [weakref.ref(saved)]
+        return saved
+
+    def _fetch(self, saved: _HostCopy) -> None:
+        """Queue the copy of ``saved`` back to its device (on the side stream on a GPU)."""
+        fetched = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+        stream = self._side_stream(saved.device)
+        if stream is None:
+            fetched.copy_(saved.host_view())
+        else:
+            stream.wait_stream(torch.cuda.current_stream(saved.device))
+            with torch.cuda.stream(stream):
+                fetched.copy_(saved.host_view(), non_blocking=True)
+                saved.ready = torch.cuda.Event()
+                saved.ready.record(stream)
+            # Should the graph be freed before the layer asks for it, its memory waits for the copy.
+            fetched.record_stream(stream)
+        saved.fetched = fetched
+
+    def _unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _HostCopy):
+            return saved
+        if saved.fetched is None:
+            self._fetch(saved)
+        tensor, saved.fetched = saved.fetched, None
+        if saved.ready is not None:
+            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+            saved.ready = None
+        self._prefetch_before(saved)
+        return tensor
+
+    def _prefetch_before(self, saved: _HostCopy) -> None:
+        """Drop ``saved`` from the waiting list and start fetching the input saved just before it:
+        the next layer that backward recomputes."""
+        alive = [ref() for ref in self._waiting]
+        index = next((i for i, other in enumerate(alive) if other is saved), None)
+        if index is not None:
+            previous = next((other for other in reversed(alive[:index]) if other is not None), None)
+            if previous is not None and previous.fetched is None:
+                self._fetch(previous)
+        self._waiting = [ref for ref, other in zip(self._waiting, alive) if other is not None and other is not saved]
+
+
+class OffloadedCheckpoint:
+    """A layer's checkpoint function (Hugging Face's ``_gradient_checkpointing_func``) whose saved
+    input goes to host memory through ``offloader``. ``keywords`` are the wrapped function's (tigon's
+    MLP reads ``use_reentrant`` there)."""
+
+    def __init__(self, checkpoint: Callable[..., Any], offloader: ActivationOffloader):
+        self.checkpoint, self.offloader = checkpoint, offloader
+
+    @property
+    def keywords(self) -> dict[str, Any]:
+        return getattr(self.checkpoint, "keywords", {})
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return self.checkpoint(function, *args, **kwargs)
+        with self.offloader.saving(args[0]):
+            return self.checkpoint(function, *args, **kwargs)

@@ -1,0 +1,158 @@
+"""Offloaded checkpoints (tigon.transformers.offload through set_checkpointing(..., offload=True)).
+
+On the CPU the offloader runs its whole path without streams (a copy into a host buffer and back);
+on a GPU the copies run on a side stream, pinned, with the next layer's input fetched ahead. Either
+way the losses and gradients must be bitwise those of the same plan without offload, the saved
+inputs must really leave (counted by the saved-tensor hooks), and the buffers must be reused.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from tiny_models import tiny_batch, tiny_model
+from utils import ON_GPU
+
+from tigon.transformers import apply_tigon, offload_host_bytes, set_checkpointing
+from tigon.transformers.offload import ActivationOffloader, OffloadedCheckpoint
+
+N_LAYERS = 4
+
+
+def _loss_and_grads(model, input_ids, labels):
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["hf", "tigon"])
+@pytest.mark.parametrize("kept", [0, 2])
+def test_offload_gives_bitwise_the_gradients_of_the_same_plan(patched, kept):
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    if patched:
+        apply_tigon(model)
+    input_ids, labels = tiny_batch()
+    set_checkpointing(model, kept)
+    truth_loss, truth_grads = _loss_and_grads(model, input_ids, labels)
+    set_checkpointing(model, kept, offload=True)
+    for step in range(2):  # the second step reuses the first one's buffers
+        loss, grads = _loss_and_grads(model, input_ids, labels)
+        assert torch.equal(loss, truth_loss), f"step {step}"
+        assert grads.keys() == truth_grads.keys()
+        for name, grad in grads.items():
+            assert torch.equal(grad, truth_grads[name]), f"step {step}: {name}'s gradient differs"
+
+
+def test_offload_wraps_only_the_recomputed_layers_and_undoes():
+    model = apply_tigon(tiny_model("llama", num_hidden_layers=N_LAYERS).train())
+    set_checkpointing(model, 1, offload=True)
+    wrapped = [isinstance(layer._gradient_checkpointing_func, OffloadedCheckpoint) for layer in model.model.layers]
+    assert wrapped == [True, True, True, False]
+    # tigon's MLP still sees non-reentrant checkpointing through the wrapper's keywords.
+    assert model.model.layers[0].mlp._gradient_checkpointing_func.keywords["use_reentrant"] is False
+    set_checkpointing(model, 1)
+    assert not any(isinstance(layer._gradient_checkpointing_func, OffloadedCheckpoint) for layer in model.model.layers)
+
+
+def test_each_recomputed_layer_input_goes_to_host_once_and_comes_back_once(monkeypatch):
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    set_checkpointing(model, 1, offload=True)
+    offloader = model._tigon_offloader
+    moved = {"out": 0, "back": 0}
+    offload, fetch = offloader._offload, offloader._fetch
+
+    def counting_offload(tensor):
+        moved["out"] += 1
+        return offload(tensor)
+
+    def counting_fetch(saved):
+        moved["back"] += 1
+        return fetch(saved)
+
+    monkeypatch.setattr(offloader, "_offload", counting_offload)
+    monkeypatch.setattr(offloader, "_fetch", counting_fetch)
+    input_ids, labels = tiny_batch()
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    assert moved == {"out": N_LAYERS - 1, "back": N_LAYERS - 1}
+    hidden = model.config.hidden_size * input_ids.numel() * 4
+    assert offload_host_bytes(model) == (N_LAYERS - 1) * hidden
+
+
+def test_host_buffers_are_reused_across_steps_and_released_for_longer_sequences():
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    set_checkpointing(model, 0, offload=True)
+    input_ids, labels = tiny_batch()
+    row_bytes = model.config.hidden_size * 4
+    for _ in range(2):
+        _loss_and_grads(model, input_ids, labels)
+        gc.collect()
+        assert offload_host_bytes(model) == N_LAYERS * input_ids.numel() * row_bytes
+    longer = torch.cat((input_ids, input_ids), dim=1)
+    _loss_and_grads(model, longer, torch.cat((labels, labels), dim=1))
+    assert offload_host_bytes(model) == N_LAYERS * longer.numel() * row_bytes
+    _loss_and_grads(model, input_ids, labels)  # shorter again: the longer buffers serve
+    assert offload_host_bytes(model) == N_LAYERS * longer.numel() * row_bytes
+
+
+def test_a_graph_freed_without_backward_gives_its_buffers_back():
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    set_checkpointing(model, 0, offload=True)
+    input_ids, labels = tiny_batch()
+    for _ in range(3):
+        loss = model(input_ids=input_ids, labels=labels).loss
+        del loss
+        gc.collect()
+    assert offload_host_bytes(model) == N_LAYERS * input_ids.numel() * model.config.hidden_size * 4
+    assert all(ref() is None for ref in model._tigon_offloader._waiting)
+
+
+def test_set_checkpointing_refuses_a_non_boolean_offload():
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS)
+    with pytest.raises(TypeError, match="offload must be True or False, got 'auto'"):
+        set_checkpointing(model, 0, offload="auto")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="pinned buffers and the side stream")
+def test_on_gpu_the_inputs_leave_the_device_and_the_buffers_are_pinned():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=4096, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = apply_tigon(LlamaForCausalLM(config).cuda().to(torch.bfloat16).train())
+    tokens = torch.randint(0, config.vocab_size, (1, 16384), device="cuda")
+    peaks, grads = {}, {}
+    for offload in (False, True, True):
+        set_checkpointing(model, 0, offload=offload)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        torch.cuda.synchronize()
+        peaks[offload] = torch.cuda.max_memory_allocated() - base
+        step = {name: p.grad.clone() for name, p in model.named_parameters()}
+        if offload in grads:
+            assert all(torch.equal(step[name], grad) for name, grad in grads[offload].items())
+        grads.setdefault(offload, step)
+        model.zero_grad(set_to_none=True)
+    for name, grad in grads[False].items():
+        assert torch.equal(grads[True][name], grad), name
+    layer_input = tokens.numel() * config.hidden_size * 2
+    # Five of the six layer inputs no longer wait on the device (one is being recomputed, one fetched).
+    assert peaks[False] - peaks[True] >= 3.5 * layer_input, (peaks, layer_input)
+    assert model._tigon_offloader._free[0].is_pinned()
+
+
+def test_offloader_keeps_tensors_it_was_not_asked_to_move():
+    offloader = ActivationOffloader()
+    x = torch.randn(3, 5, requires_grad=True)
+    other = torch.randn(3, 5, requires_grad=True)
+    with offloader.saving(x):
+        y = (x * other).sum()
+    assert len(offloader._waiting) == 1  # x; other stays
+    y.backward()
+    assert torch.equal(x.grad, other) and torch.equal(other.grad, x)
