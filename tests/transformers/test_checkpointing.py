@@ -9,13 +9,15 @@ were, and training after probing matches training without it.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import tiny_batch, tiny_model
 from utils import ON_GPU, TOLERANCE, relative_error
 
 from tigon.transformers import apply_tigon, fit_checkpointing, measure_step_peak, set_checkpointing
-from tigon.transformers.checkpointing import checkpointing_layers
+from tigon.transformers.checkpointing import Mode, Probe, checkpointing_layers, choose_plan
 
 N_LAYERS = 4
 
@@ -74,6 +76,54 @@ def test_every_plan_gives_the_same_losses_and_gradients(patched):
                 assert relative_error(grad, truth_grads[name]) < TOLERANCE[torch.float32], f"kept {kept}: {name}"
             else:
                 assert torch.equal(grad, truth_grads[name]), f"kept {kept}: {name}'s gradient differs"
+
+
+def _fake_measure(peaks: dict[tuple[int, Mode], float], seconds: dict[Mode, float], calls: list):
+    """``measure(kept, mode)`` over a table of peaks (missing: out of memory) and step times."""
+
+    def measure(kept: int, mode: Mode) -> Probe:
+        calls.append((kept, mode))
+        return Probe(peaks.get((kept, mode), math.inf), seconds.get(mode, 1.0))
+
+    return measure
+
+
+ON_DEVICE, OFFLOADED = Mode(offload=False), Mode(offload=True)
+TILED, TILED_OFFLOADED = Mode(False, "auto"), Mode(True, "auto")
+
+
+def _linear_peaks(mode: Mode, base: float, per_kept: float, n: int = N_LAYERS) -> dict:
+    return {(kept, mode): base + per_kept * kept for kept in range(n + 1)}
+
+
+def test_choose_plan_keeps_offload_off_when_every_layer_fits_without_it():
+    calls: list = []
+    measure = _fake_measure(_linear_peaks(ON_DEVICE, 10, 1) | _linear_peaks(OFFLOADED, 5, 1), {}, calls)
+    assert choose_plan(N_LAYERS, 20.0, 0.0, measure, [[ON_DEVICE, OFFLOADED]]) == (N_LAYERS, ON_DEVICE)
+    assert {mode for _, mode in calls} == {ON_DEVICE}  # offload was never probed
+
+
+@pytest.mark.parametrize("offloaded_seconds, expected", [(0.9, (3, OFFLOADED)), (1.1, (1, ON_DEVICE))])
+def test_choose_plan_takes_the_faster_of_the_plans_that_fit(offloaded_seconds, expected):
+    # Budget 12: on the device 10 + 1 per kept layer keeps 1 (2 would reach the headroom);
+    # offloaded 7 + 1.5 per kept layer keeps 3.
+    peaks = _linear_peaks(ON_DEVICE, 10, 1) | _linear_peaks(OFFLOADED, 7, 1.5)
+    measure = _fake_measure(peaks, {ON_DEVICE: 1.0, OFFLOADED: offloaded_seconds}, [])
+    assert choose_plan(N_LAYERS, 12.0, 0.5, measure, [[ON_DEVICE, OFFLOADED]]) == expected
+
+
+def test_choose_plan_tiles_the_mlp_only_when_nothing_else_fits():
+    peaks = _linear_peaks(ON_DEVICE, 30, 1) | _linear_peaks(OFFLOADED, 21, 1) | _linear_peaks(TILED_OFFLOADED, 15, 1)
+    measure = _fake_measure(peaks, {}, [])
+    groups = [[ON_DEVICE, OFFLOADED], [TILED, TILED_OFFLOADED]]
+    assert choose_plan(N_LAYERS, 20.0, 0.0, measure, groups) == (N_LAYERS, TILED_OFFLOADED)
+    assert choose_plan(N_LAYERS, 21.0, 0.0, measure, groups) == (0, OFFLOADED)
+    assert choose_plan(N_LAYERS, 14.0, 0.0, measure, groups) is None
+
+
+def test_fit_checkpointing_rejects_an_unknown_offload():
+    with pytest.raises(ValueError, match="offload must be False, True or 'auto', got 'yes'"):
+        fit_checkpointing(tiny_model("llama").train(), {}, 10.0, offload="yes")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the error of a model off the GPU")
@@ -172,7 +222,9 @@ def test_a_budget_between_the_extremes_keeps_some_layers_and_holds_in_training(p
 @pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
 def test_a_budget_below_the_all_recomputed_peak_is_refused():
     model = _gpu_model(patched=True)
-    with pytest.raises(ValueError, match=r"needs [\d.]+ GiB with all 6 layers recomputed, over memory_budget_gib = 0\.10"):
+    message = (r"needs more than memory_budget_gib = 0\.10 even with all 6 layers recomputed: inputs on the device: "
+               r"[\d.]+ GiB; inputs on the device, MLP tiles of auto tokens: [\d.]+ GiB$")
+    with pytest.raises(ValueError, match=message):
         fit_checkpointing(model, _gpu_batch(0), 0.1)
     assert all(layer.gradient_checkpointing for layer in checkpointing_layers(model))
 
@@ -187,3 +239,25 @@ def test_no_budget_fits_the_all_recomputed_peak():
     assert plan.budget_gib == plan.probes[0]
     assert plan.peak_gib <= plan.budget_gib
     assert all(peak > plan.budget_gib * 0.98 for kept, peak in plan.probes.items() if kept > plan.kept), plan
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
+def test_offload_auto_fits_a_budget_below_the_all_recomputed_peak_and_holds_in_training():
+    model = _gpu_model(patched=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batch = _gpu_batch(0)
+    set_checkpointing(model, 0)
+    on_device = measure_step_peak(model, batch, optimizer=optimizer)
+    set_checkpointing(model, 0, offload=True)
+    offloaded = measure_step_peak(model, batch, optimizer=optimizer)
+    assert offloaded < on_device - 0.1, (offloaded, on_device)
+    budget = (offloaded + on_device) / 2
+    plan = fit_checkpointing(model, batch, budget, optimizer=optimizer, offload="auto")
+    assert plan.offload and plan.host_gib > 0 and plan.peak_gib <= budget, plan
+    assert plan.mlp_tile_tokens is None  # it fitted untiled
+    losses, peak = _train(model, optimizer, steps=3)
+    assert peak <= budget, (peak, plan)
+    fresh = _gpu_model(patched=True)
+    set_checkpointing(fresh, plan.kept)
+    fresh_losses, _ = _train(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4, fused=True), steps=3)
+    assert losses[0] == fresh_losses[0]

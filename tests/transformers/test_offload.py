@@ -156,3 +156,19 @@ def test_offloader_keeps_tensors_it_was_not_asked_to_move():
     assert len(offloader._waiting) == 1  # x; other stays
     y.backward()
     assert torch.equal(x.grad, other) and torch.equal(other.grad, x)
+
+
+def test_a_host_without_the_memory_is_refused_with_what_the_step_needs(monkeypatch):
+    from tigon.transformers import offload
+
+    model = tiny_model("llama", num_hidden_layers=N_LAYERS).train()
+    set_checkpointing(model, 0, offload=True)
+    input_ids, labels = tiny_batch()
+    layer_input = input_ids.numel() * model.config.hidden_size * 4
+    # Room for two layers' inputs above the 5% reserve of a 100 MiB host; pinned buffers use it up.
+    available = 5 * 2**20 + 2 * layer_input + 1
+    monkeypatch.setattr(offload, "host_memory", lambda: (available - offload_host_bytes(model), 100 * 2**20))
+    with pytest.raises(offload.HostMemoryError, match=r"[\d.]+ GiB of host memory are in use for this step and "
+                       r"another [\d.]+ GiB are needed, but the host has [\d.]+ GiB available of 0\.1 GiB"):
+        model(input_ids=input_ids, labels=labels)
+    assert offload_host_bytes(model) == 2 * layer_input

@@ -38,16 +38,38 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from tigon.transformers.offload import ActivationOffloader, OffloadedCheckpoint
+from tigon.transformers.layers import TigonGatedMLP, set_mlp_tiling
+from tigon.transformers.offload import ActivationOffloader, HostMemoryError, OffloadedCheckpoint
 
 # Part of the budget kept free when layers keep their activations (see the module docstring).
 HEADROOM_FRACTION = 0.02
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe step: its peak allocated device memory and host memory in offloaded checkpoints
+    (GiB; ``inf`` device memory when out of memory), and its time (seconds)."""
+
+    peak_gib: float
+    seconds: float
+    host_gib: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How the recomputed layers run: their inputs offloaded to host memory or not, and the MLP's
+    sequence tile (see :func:`tigon.transformers.set_mlp_tiling`)."""
+
+    offload: bool = False
+    mlp_tile_tokens: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +81,13 @@ class CheckpointingPlan:
         kept: how many of them, the last ones, keep their activations (are not recomputed).
         peak_gib: the measured peak of a training step with this plan (GiB, allocated memory).
         budget_gib: the budget it was fitted to.
-        probes: the measured peak of each plan probed, by ``kept`` (``inf`` when out of memory).
+        probes: the measured peak of each plan probed without offload, by ``kept`` (``inf`` when
+            out of memory), at the plan's MLP tile.
+        offload: whether the recomputed layers' inputs wait in pinned host memory.
+        host_gib: the pinned host memory the plan holds (GiB; 0 without offload).
+        mlp_tile_tokens: the MLP's sequence tile the plan set (``None``: the model's own, untouched).
+        step_seconds: the measured time of a probe step with this plan.
+        offloaded_probes: as ``probes``, for the plans probed with offload.
     """
 
     n_layers: int
@@ -67,6 +95,11 @@ class CheckpointingPlan:
     peak_gib: float
     budget_gib: float
     probes: dict[int, float] = field(default_factory=dict)
+    offload: bool = False
+    host_gib: float = 0.0
+    mlp_tile_tokens: int | str | None = None
+    step_seconds: float = math.nan
+    offloaded_probes: dict[int, float] = field(default_factory=dict)
 
     @property
     def recomputed(self) -> int:
@@ -137,6 +170,7 @@ def fit_checkpointing(
     optimizer: torch.optim.Optimizer | None = None,
     headroom_gib: float | None = None,
     loss_fn: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
+    offload: bool | str = False,
 ) -> CheckpointingPlan:
     """Set ``model``'s gradient checkpointing to recompute as few layers as fit ``memory_budget_gib``.
 
@@ -152,47 +186,133 @@ def fit_checkpointing(
             (its step is not probed then: the state already counts, a step's temporaries do not).
         headroom_gib: kept free when any layer keeps its activations; 2% of the budget by default.
         loss_fn: ``loss_fn(model, batch)`` → scalar loss, for models whose output has no ``loss``.
+        offload: whether the recomputed layers' inputs wait in pinned host memory
+            (:mod:`tigon.transformers.offload`): ``False``, ``True``, or ``"auto"``, which searches
+            both and keeps the faster plan that fits (offload off when every layer's activations fit
+            without it).
 
-    Returns the :class:`CheckpointingPlan`, already applied to ``model``. Raises ``ValueError`` when
-    the step exceeds the budget even with every layer recomputed.
+    When no plan fits with every layer recomputed, a model whose patched MLPs are not tiled yet is
+    searched again with ``mlp_tile_tokens="auto"`` (:func:`tigon.transformers.set_mlp_tiling`),
+    which the plan then keeps.
+
+    Returns the :class:`CheckpointingPlan`, already applied to ``model``; its ``host_gib`` is the
+    pinned host memory the plan holds. Raises ``ValueError`` when the step exceeds the budget even
+    with every layer recomputed (and offloaded, and the MLP tiled, as allowed), saying why,
+    host memory included.
     """
     if memory_budget_gib is not None and (not math.isfinite(memory_budget_gib) or memory_budget_gib <= 0):
         raise ValueError(f"memory_budget_gib must be a positive number of GiB or None, got {memory_budget_gib}")
+    if offload not in (False, True, "auto") or isinstance(offload, int) and not isinstance(offload, bool):
+        raise ValueError(f"offload must be False, True or 'auto', got {offload!r}")
     _check_probe_args(model)
     n_layers = len(checkpointing_layers(model))
-    probes: dict[int, float] = {}
+    tile = _mlp_tile(model)
+    offloads = {False: [False], True: [True], "auto": [False, True]}[offload]
+    groups = [[Mode(off, tile) for off in offloads]]
+    if tile is None and _has_tileable_mlp(model):
+        groups.append([Mode(off, "auto") for off in offloads])
+    results: dict[tuple[int, Mode], Probe] = {}
     with _probing(model, batch, optimizer, loss_fn) as probe:
 
-        def peak_with(kept: int) -> float:
-            set_checkpointing(model, kept)
-            probes[kept] = probe()
-            return probes[kept]
+        def measure(kept: int, mode: Mode) -> Probe:
+            if (kept, mode) not in results:
+                _set_mode(model, kept, mode)
+                results[kept, mode] = probe()
+            return results[kept, mode]
 
-        peak_with(0)  # creates the optimizer's state as the first step would; later probes see it
+        _set_mode(model, 0, groups[0][0])
+        probe()  # creates the optimizer's state as the first step would; later probes see it
         if memory_budget_gib is None:
-            memory_budget_gib = peak_with(0)
-        elif peak_with(0) > memory_budget_gib:
-            set_checkpointing(model, 0)
-            raise ValueError(
-                f"a training step needs {probes[0]:.2f} GiB with all {n_layers} layers recomputed, "
-                f"over memory_budget_gib = {memory_budget_gib:.2f}"
-            )
+            memory_budget_gib = measure(0, groups[0][0]).peak_gib
         headroom = HEADROOM_FRACTION * memory_budget_gib if headroom_gib is None else headroom_gib
+        choice = choose_plan(n_layers, memory_budget_gib, headroom, measure, groups)
+    if choice is None:
+        _set_mode(model, 0, groups[0][0])
+        tried = "; ".join(
+            f"{_describe(mode)}: {probe.peak_gib:.2f} GiB" + (f" ({probe.error})" if probe.error else "")
+            for (kept, mode), probe in results.items() if kept == 0
+        )
+        raise ValueError(
+            f"a training step needs more than memory_budget_gib = {memory_budget_gib:.2f} even with all {n_layers} "
+            f"layers recomputed: {tried}"
+        )
+    kept, mode = choice
+    _set_mode(model, kept, mode)
+    chosen = results[kept, mode]
+    offloader = getattr(model, "_tigon_offloader", None)
+    if offloader is not None:
+        offloader.keep_free(int(chosen.host_gib * 2**30) if mode.offload else 0)
 
-        def fits(kept: int) -> bool:
-            return peak_with(kept) <= memory_budget_gib - headroom
+    def peaks(offloaded: bool) -> dict[int, float]:
+        return {
+            k: probe.peak_gib for (k, m), probe in sorted(results.items(), key=lambda item: item[0][0])
+            if m.offload == offloaded and m.mlp_tile_tokens == mode.mlp_tile_tokens
+        }
 
-        # The largest kept in [0, n_layers] that fits (kept = 0 stands even inside the headroom).
-        low, high = 0, n_layers + 1
-        if fits(n_layers):
-            low = n_layers
-        else:
-            high = n_layers
-            while high - low > 1:
-                middle = (low + high) // 2
-                low, high = (middle, high) if fits(middle) else (low, middle)
-    set_checkpointing(model, low)
-    return CheckpointingPlan(n_layers, low, probes[low], memory_budget_gib, dict(sorted(probes.items())))
+    return CheckpointingPlan(
+        n_layers, kept, chosen.peak_gib, memory_budget_gib, peaks(False), offload=mode.offload,
+        host_gib=chosen.host_gib if mode.offload else 0.0,
+        mlp_tile_tokens=mode.mlp_tile_tokens if mode.mlp_tile_tokens != tile else None,
+        step_seconds=chosen.seconds, offloaded_probes=peaks(True),
+    )
+
+
+def choose_plan(
+    n_layers: int, budget_gib: float, headroom_gib: float, measure: Callable[[int, Mode], Probe],
+    groups: list[list[Mode]],
+) -> tuple[int, Mode] | None:
+    """The plan ``(kept, mode)`` that :func:`fit_checkpointing` picks, given ``measure(kept, mode)``.
+
+    For each mode of the first group of ``groups`` in which any mode fits ``budget_gib`` with every
+    layer recomputed: the largest ``kept`` whose peak stays within ``budget − headroom`` (a binary
+    search; ``kept = 0`` stands even inside the headroom). Among those plans, the one whose probe
+    step was fastest; a mode that keeps every layer ends the search (nothing recomputes: no later
+    mode can be faster). ``None`` when nothing fits.
+    """
+    for group in groups:
+        fitted: list[tuple[int, Mode]] = []
+        for mode in group:
+            if measure(0, mode).peak_gib > budget_gib:
+                continue
+
+            def fits(kept: int, mode: Mode = mode) -> bool:
+                return measure(kept, mode).peak_gib <= budget_gib - headroom_gib
+
+            low, high = 0, n_layers + 1
+            if fits(n_layers):
+                low = n_layers
+            else:
+                high = n_layers
+                while high - low > 1:
+                    middle = (low + high) // 2
+                    low, high = (middle, high) if fits(middle) else (low, middle)
+            fitted.append((low, mode))
+            if low == n_layers:
+                break
+        if fitted:
+            return min(fitted, key=lambda plan: measure(*plan).seconds)
+    return None
+
+
+def _describe(mode: Mode) -> str:
+    offload = "offloaded" if mode.offload else "on the device"
+    tile = "" if mode.mlp_tile_tokens is None else f", MLP tiles of {mode.mlp_tile_tokens} tokens"
+    return f"inputs {offload}{tile}"
+
+
+def _set_mode(model: torch.nn.Module, kept: int, mode: Mode) -> None:
+    set_checkpointing(model, kept, offload=mode.offload)
+    if _has_tileable_mlp(model):
+        set_mlp_tiling(model, mode.mlp_tile_tokens)
+
+
+def _has_tileable_mlp(model: torch.nn.Module) -> bool:
+    return any(isinstance(module, TigonGatedMLP) for module in model.modules())
+
+
+def _mlp_tile(model: torch.nn.Module) -> int | str | None:
+    """The sequence tile of ``model``'s patched MLPs (``None`` when untiled or unpatched)."""
+    return next((module.tile_tokens for module in model.modules() if isinstance(module, TigonGatedMLP)), None)
 
 
 def measure_step_peak(
@@ -207,7 +327,7 @@ def measure_step_peak(
     _check_probe_args(model)
     with _probing(model, batch, optimizer, loss_fn) as probe:
         probe()  # the first step creates the optimizer's state (and warms up kernels)
-        return probe()
+        return probe().peak_gib
 
 
 def _check_probe_args(model) -> None:
@@ -242,11 +362,15 @@ def _probing(model, batch, optimizer, loss_fn):
             stepped.state.clear()
 
 
-def _probe_peak(model, batch, optimizer, stepped, loss_fn) -> float:
-    """The peak allocated memory (GiB) of one training step on ``batch``, with ``stepped``'s step
-    when given; ``inf`` out of memory."""
+def _probe_peak(model, batch, optimizer, stepped, loss_fn) -> Probe:
+    """One training step on ``batch``, with ``stepped``'s step when given: its peak allocated
+    memory (``inf`` out of memory, device or host), time and offloaded host memory."""
+    offloader = getattr(model, "_tigon_offloader", None)
+    if offloader is not None:
+        offloader.reset_peak()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     try:
         loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
         if loss is None:
@@ -256,9 +380,11 @@ def _probe_peak(model, batch, optimizer, stepped, loss_fn) -> float:
         if stepped is not None:
             stepped.step()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**30
-    except torch.OutOfMemoryError:
-        return math.inf
+        host_gib = 0.0 if offloader is None else offloader.peak_in_use / 2**30
+        return Probe(torch.cuda.max_memory_allocated() / 2**30, time.perf_counter() - start, host_gib)
+    except (torch.OutOfMemoryError, HostMemoryError) as error:
+        reason = str(error) if isinstance(error, HostMemoryError) else "out of device memory"
+        return Probe(math.inf, math.inf, error=reason)
     finally:
         model.zero_grad(set_to_none=True)
         if optimizer is not None:

@@ -16,7 +16,9 @@ host memory instead, and back before the layer recomputes:
 - **Buffers**: pinned host buffers are allocated as needed the first step and reused by later
   ones (a buffer is free again once the autograd graph that saved it is freed); buffers smaller
   than a new request are released first, so a run whose sequences grow does not keep the short
-  ones' buffers. :attr:`ActivationOffloader.host_bytes` is what is held.
+  ones' buffers. :attr:`ActivationOffloader.host_bytes` is what is held. A buffer that would leave
+  the host with less than 5% of its memory available is refused (:class:`HostMemoryError`, which
+  says how much the step needs), rather than letting the kernel kill the process.
 
 The copies are exact: the gradients are bitwise those of the same checkpointing without offload.
 On a CPU model the same path runs without streams: a copy into a separate host buffer and back.
@@ -28,11 +30,31 @@ Only the layer's first positional argument (the hidden states) moves; what a lay
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+
+# Host memory left available after any pinned buffer, as a fraction of the host's total.
+HOST_RESERVE_FRACTION = 0.05
+
+
+class HostMemoryError(MemoryError):
+    """Offloaded checkpoints need more pinned host memory than the host has available."""
+
+
+def host_memory() -> tuple[int, int]:
+    """``(available, total)`` host memory in bytes (Linux's ``MemAvailable``; elsewhere free pages)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024, total
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), total
 
 
 class _HostCopy:
@@ -56,6 +78,8 @@ class ActivationOffloader:
         self._stream: torch.cuda.Stream | None = None
         self._free: list[torch.Tensor] = []  # uint8 host buffers no saved tensor uses
         self._held = 0
+        self._in_use = 0
+        self.peak_in_use = 0  # bytes in use at most since reset_peak()
         # The saved inputs in host memory, in the order their layers ran, until fetched.
         self._waiting: list[weakref.ref[_HostCopy]] = []
 
@@ -63,6 +87,16 @@ class ActivationOffloader:
     def host_bytes(self) -> int:
         """Host memory held by the buffers, in use or free (bytes)."""
         return self._held
+
+    def reset_peak(self) -> None:
+        """Start counting :attr:`peak_in_use` again (from what is in use now)."""
+        self.peak_in_use = self._in_use
+
+    def keep_free(self, max_bytes: int) -> None:
+        """Release free buffers, largest last, until the free ones hold at most ``max_bytes``."""
+        self._free.sort(key=torch.Tensor.numel)
+        while self._free and sum(buffer.numel() for buffer in self._free) > max_bytes:
+            self._held -= self._free.pop().numel()
 
     @contextlib.contextmanager
     def saving(self, tensor: torch.Tensor) -> Iterator[None]:
@@ -81,6 +115,8 @@ class ActivationOffloader:
         return self._stream
 
     def _buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        self._in_use += nbytes
+        self.peak_in_use = max(self.peak_in_use, self._in_use)
         fitting = [buffer for buffer in self._free if buffer.numel() >= nbytes]
         if fitting:
             buffer = min(fitting, key=torch.Tensor.numel)
@@ -89,16 +125,26 @@ class ActivationOffloader:
         # Nothing free is large enough: the free buffers are from shorter sequences; let them go.
         self._held -= sum(buffer.numel() for buffer in self._free)
         self._free.clear()
+        available, total = host_memory()
+        if available - nbytes < HOST_RESERVE_FRACTION * total:
+            self._in_use -= nbytes
+            raise HostMemoryError(
+                f"offloaded checkpoints: {self._in_use / 2**30:.2f} GiB of host memory are in use for this step and "
+                f"another {nbytes / 2**30:.2f} GiB are needed, but the host has {available / 2**30:.2f} GiB "
+                f"available of {total / 2**30:.1f} GiB (5% is kept free): keep more layers on the device, offload "
+                "fewer, or train shorter sequences"
+            )
         self._held += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
-    def _release(self, buffer: torch.Tensor) -> None:
+    def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
+        self._in_use -= nbytes
         self._free.append(buffer)
 
     def _offload(self, tensor: torch.Tensor) -> _HostCopy:
         stream = self._side_stream(tensor.device)
         saved = _HostCopy(self._buffer(tensor.nbytes, pin=stream is not None), tensor.shape, tensor.dtype, tensor.device)
-        weakref.finalize(saved, self._release, saved.buffer)
+        weakref.finalize(saved, self._release, saved.buffer, tensor.nbytes)
         if stream is None:
             saved.host_view().copy_(tensor)
         else:
