@@ -9,14 +9,18 @@ import pytest
 import torch
 
 import tigon.losses as tl
+from tigon.ops import fused_linear_logprobs
+from tigon.ops.fused_linear import fused_linear_chunks
 from tigon.testing import reference
-from utils import DEVICE, assert_close, leaf_copies, pick, randn
+from utils import DEVICE, MatmulFlops, assert_close, leaf_copies, pick, randn
 
 # (completions B, tokens T, H, V, completions per chunk): several chunks, the last one partial.
 CASES = pick(
     cpu=[(4, 11, 32, 300, 3), (3, 7, 48, 433, 1)],
     gpu=[(8, 512, 1024, 32000, 3), (6, 300, 2048, 50000, 4)],
 )
+# Completions that span many chunks: (B, T, H, V, tokens per chunk).
+LONG_CASE = pick(cpu=(3, 37, 24, 211, 5), gpu=(4, 2500, 1024, 32000, 700))
 LOSS_TYPES = reference.GRPO_LOSS_TYPES
 CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 # CISPO caps its ratio at epsilon_high itself (TRL recommends 5); 1.3 makes some tokens cross it.
@@ -79,13 +83,20 @@ def _problem(case, dtype, *, off_policy=True, with_ref=False, options=None, mask
     return (x, weight, bias), (ids, mask.to(mask_dtype), advantages), tensors, chunk_memory_bytes
 
 
+def _token_budget(tokens, vocab, dtype):
+    """``chunk_memory_bytes`` for chunks of ``tokens`` rows of logits."""
+    return tokens * vocab * torch.finfo(dtype).bits // 8
+
+
 def _compare(case, dtype, options, *, off_policy=True, with_ref=False, num_items_in_batch=None,
-             mask_dtype=torch.bool):
+             mask_dtype=torch.bool, chunk_tokens=None):
     """tigon's loss, metrics and the gradients of input, weight and bias against the reference's;
-    returns tigon's metrics."""
+    returns tigon's metrics. Chunks hold ``case``'s completions per chunk, or ``chunk_tokens``."""
     leaves, (ids, mask, advantages), tensors, chunk_memory_bytes = _problem(
         case, dtype, off_policy=off_policy, with_ref=with_ref, options=options, mask_dtype=mask_dtype,
     )
+    if chunk_tokens is not None:
+        chunk_memory_bytes = _token_budget(chunk_tokens, case[3], dtype)
     truth_leaves = leaf_copies(*leaves)
     loss, metrics = tl.fused_linear_grpo(
         *leaves[:2], ids, mask, advantages, bias=leaves[2], **tensors, num_items_in_batch=num_items_in_batch,
@@ -216,18 +227,82 @@ def test_frozen_head_and_no_grad():
     assert torch.equal(loss_no_grad, loss.detach())
 
 
-def test_chunking_does_not_change_the_loss():
-    """One completion per chunk or all in one: the same loss and gradients, to rounding."""
-    (x, weight, bias), rest, tensors, chunk_memory_bytes = _problem(CASES[0], torch.float32, with_ref=True)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_long_completions_match_reference(loss_type, level):
+    """Completions of several chunks each: split across chunks by the token-level types, two
+    passes for GSPO and vespo."""
+    _compare(LONG_CASE, torch.float32, _options(loss_type, importance_sampling_level=level, beta=0.04),
+             with_ref=True, chunk_tokens=LONG_CASE[4])
+
+
+# 16-bit heads on long completions: the split chunks and the two passes.
+LONG_LOW_PRECISION = {
+    "dapo": {"loss_type": "dapo"},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", LONG_LOW_PRECISION)
+def test_long_completions_low_precision_match_reference(name, dtype):
+    _compare(LONG_CASE, dtype, LONG_LOW_PRECISION[name], chunk_tokens=LONG_CASE[4])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_chunking_does_not_change_the_loss(loss_type, level):
+    """Chunks of a few tokens (splitting completions or in two passes), of one completion, or the
+    whole batch in one: the same loss and gradients, to rounding."""
+    (x, weight, bias), rest, tensors, _ = _problem(
+        LONG_CASE, torch.float32, with_ref=True, options={"loss_type": loss_type},
+    )
+    n_completions, seq_len, _, vocab, chunk_tokens = LONG_CASE
     results = []
-    for per_chunk_bytes in (chunk_memory_bytes // CASES[0][4], chunk_memory_bytes * CASES[0][0]):
+    for tokens in (chunk_tokens, seq_len, n_completions * seq_len):
         leaves = leaf_copies(x, weight, bias, dtype=torch.float32)
         loss, _ = tl.fused_linear_grpo(*leaves[:2], *rest, bias=leaves[2], **tensors, beta=0.1,
-                                       chunk_memory_bytes=per_chunk_bytes)
+                                       **_options(loss_type, importance_sampling_level=level),
+                                       chunk_memory_bytes=_token_budget(tokens, vocab, torch.float32))
         loss.backward()
         results.append([loss, *(leaf.grad for leaf in leaves)])
-    for name, one, other in zip(("loss", "input", "weight", "bias"), *results):
-        assert_close(one, other, torch.float32, name)
+    for result in results[:-1]:
+        for name, one, whole in zip(("loss", "input", "weight", "bias"), result, results[-1]):
+            assert_close(one, whole, torch.float32, name)
+
+
+@pytest.mark.parametrize("loss_type, level", [("dapo", "token"), ("grpo", "sequence"), ("vespo", "token")])
+def test_chunk_logits_stay_within_budget(loss_type, level, monkeypatch):
+    """However long the completions, no logits buffer exceeds ``chunk_memory_bytes``. The
+    token-level types split completions in one pass (``6·N·H·V`` matmul FLOPs); GSPO and vespo
+    take two, recomputing every chunk's logits but the last."""
+    (x, weight, _), rest, tensors, _ = _problem(LONG_CASE, torch.float32, options={"loss_type": loss_type})
+    n_completions, seq_len, hidden, vocab, chunk_tokens = LONG_CASE
+    budget = _token_budget(chunk_tokens, vocab, torch.float32)
+    buffer_bytes = []
+
+    def recording_chunks(x2d, weight, bias, chunks, head, *args, **kwargs):
+        def recording_head(ranges, logits):
+            buffer_bytes.append(logits.untyped_storage().nbytes())
+            return head(ranges, logits)
+
+        return fused_linear_chunks(x2d, weight, bias, chunks, recording_head, *args, **kwargs)
+
+    monkeypatch.setattr(fused_linear_logprobs, "fused_linear_chunks", recording_chunks)
+    with MatmulFlops() as counter:
+        loss, _ = tl.fused_linear_grpo(x, weight, *rest, **tensors, chunk_memory_bytes=budget,
+                                       **_options(loss_type, importance_sampling_level=level))
+    assert max(buffer_bytes) <= budget
+    n_rows = n_completions * seq_len
+    one_pass = 6 * n_rows * hidden * vocab
+    last_chunk_rows = n_rows - (math.ceil(n_rows / chunk_tokens) - 1) * chunk_tokens
+    recomputed = 2 * (n_rows - last_chunk_rows) * hidden * vocab
+    assert counter.flops == (one_pass if level == "token" and loss_type != "vespo" else one_pass + recomputed)
+
+    with torch.no_grad():
+        loss_no_grad, _ = tl.fused_linear_grpo(x, weight, *rest, **tensors, chunk_memory_bytes=budget,
+                                               **_options(loss_type, importance_sampling_level=level))
+    assert torch.equal(loss_no_grad, loss.detach())
 
 
 def test_bad_input_is_named():

@@ -29,8 +29,15 @@ clamped to at least 1, as TRL's are: a completion (or batch) without active toke
 NaN.
 
 The per-token log-probs and the gradients come from the chunk loop of
-:mod:`tigon.ops.fused_linear_logprobs` (chunks of whole completions, gradients computed in the
-forward pass, ``6·N·H·V`` FLOPs): no ``[B·T, V]`` logits exist, only one chunk's.
+:mod:`tigon.ops.fused_linear_logprobs` (gradients computed in the forward pass, ``6·N·H·V``
+FLOPs): no ``[B·T, V]`` logits exist, only one chunk's, within ``chunk_memory_bytes`` whatever
+the completions' length. At ``importance_sampling_level="token"`` every loss type but vespo has a
+per-token ``ℓ`` that reads only that token's log-prob and constants (its old and reference
+log-probs, its completion's advantage, the mask's token counts of the reduction): chunks are rows
+of the ``B·T`` tokens and split completions. GSPO's ratio and vespo's φ(w) read a whole
+completion's log-probs: chunks of whole completions, and for completions longer than the budget
+two passes, the log-probs of every token first, then the gradients, recomputing all chunks' logits
+but the last (``8·N·H·V`` FLOPs at most).
 """
 
 from __future__ import annotations
@@ -162,6 +169,14 @@ def token_weights(mask: torch.Tensor, options: GRPOOptions, num_items_in_batch: 
     return mask / mask.sum().clamp(min=1.0)
 
 
+def splits_completions(options: GRPOOptions) -> bool:
+    """Whether chunks may split a completion: at the token level each token's ``ℓ`` reads only its
+    own log-prob and constants known before the chunk loop (its old and reference log-probs, its
+    completion's advantage; :func:`token_weights` counts tokens from the mask alone). GSPO's ratio
+    and VESPO's φ(w) (at either level) read the whole completion's log-probs."""
+    return options.importance_sampling_level == "token" and options.loss_type != "vespo"
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor, per_completion: bool = False) -> torch.Tensor:
     """Mean over the active tokens, or over the completions for per-completion values."""
     if per_completion:
@@ -256,8 +271,8 @@ def fused_linear_grpo(
         completion_mask: ``[B, T]`` bool or 0/1.
         advantages: ``[B]``. old_per_token_logps, ref_per_token_logps: ``[B, T]`` or ``None``.
         num_items_in_batch: the step's active tokens for ``dapo``/``cispo`` (int or tensor), or ``None``.
-        chunk_memory_bytes: logits memory per chunk of whole completions (default 512 MiB; a
-            completion longer than the budget is one chunk).
+        chunk_memory_bytes: logits memory per chunk (default 512 MiB, see
+            :func:`tigon.ops.fused_linear.chunk_rows_for`), for completions of any length.
     The mask, advantages, old and reference log-probs, ``num_items_in_batch`` and the options are
     constants of the loss: given as tensors that require grad (with grad mode on), they are refused.
     Returns: the fp32 scalar loss, and a dict of detached fp32 scalars: ``entropy`` (mean over
@@ -281,20 +296,34 @@ def fused_linear_grpo(
     mask = completion_mask.bool()
     target = torch.where(mask, completion_ids, IGNORE_INDEX)
     ids = torch.where(mask, completion_ids, 0)
-    mask = mask.double()
+    # The per-token constants contiguous, so that a chunk's tokens are a view of them.
+    mask = mask.double().contiguous()
     weights = token_weights(mask, options, num_items_in_batch)
     advantages64 = advantages.detach().double()
-    old = None if old_per_token_logps is None else old_per_token_logps.detach().double()
-    ref = None if ref_per_token_logps is None else ref_per_token_logps.detach().double()
+    old = None if old_per_token_logps is None else old_per_token_logps.detach().double().contiguous()
+    ref = None if ref_per_token_logps is None else ref_per_token_logps.detach().double().contiguous()
+    seq_len = mask.shape[1]
+    token_advantages = advantages64.unsqueeze(-1).expand(-1, seq_len).contiguous()
+    split = splits_completions(options)
+    # A chunk's tokens, rows of the flattened [B·T] tokens, are viewed as [k, L]: L = 1 when chunks
+    # may split a completion (each token's loss is then that of a one-token completion), else k
+    # whole completions of L = T tokens.
+    tokens_per_row = 1 if split else seq_len
 
-    def loss_share(ids: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
-        chunk_old = logps.detach() if old is None else old[ids]
-        chunk_ref = None if ref is None else ref[ids]
-        losses = per_token_losses(logps, chunk_old, chunk_ref, advantages64[ids], mask[ids], options)[0]
-        return (losses * weights[ids]).sum()
+    def chunk_tokens(values: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The tokens ``rows`` of ``values [B, T]`` as ``[k, L]``."""
+        return values.view(-1)[rows].view(-1, tokens_per_row)
+
+    def loss_share(rows: slice, logps: torch.Tensor) -> torch.Tensor:
+        logps = logps.view(-1, tokens_per_row)
+        chunk_old = logps.detach() if old is None else chunk_tokens(old, rows)
+        chunk_ref = None if ref is None else chunk_tokens(ref, rows)
+        losses = per_token_losses(logps, chunk_old, chunk_ref, chunk_tokens(token_advantages, rows)[:, 0],
+                                  chunk_tokens(mask, rows), options)[0]
+        return (losses * chunk_tokens(weights, rows)).sum()
 
     loss, log_probs, entropy = fused_linear_logprob_loss(
-        input, weight, target, bias, loss_share, IGNORE_INDEX, options.temperature, chunk_memory_bytes,
+        input, weight, target, bias, loss_share, split, IGNORE_INDEX, options.temperature, chunk_memory_bytes,
         ids=("completion_ids", ids),
     )
     logps = log_probs.double()

@@ -42,7 +42,9 @@ backward recompute nothing.
 
 :class:`FusedLinearLogprobLossFunction` serves losses whose per-token gradients are known once
 the log-probs are (the GRPO family, :mod:`tigon.losses.grpo`): the loss is computed inside, chunk
-by chunk of whole sequences, and so are its gradients, in ``6·N·H·V`` FLOPs.
+by chunk, and so are its gradients, in ``6·N·H·V`` FLOPs. Chunks split a sequence where each
+token's loss needs only its own log-prob; a loss that needs a whole sequence's log-probs takes
+chunks of whole sequences, or two passes over the rows when one sequence exceeds the budget.
 
 Shapes: ``input [N, H]`` (any row stride), ``weight [V, H]``, ``bias [V]`` or ``None``, one of
 fp32/bf16/fp16; ``target [N]`` int64/int32. Outputs are fp32 ``[N]``, ``is_top1`` bool ``[N]``.
@@ -69,7 +71,7 @@ from tigon.ops.cross_entropy import (
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
-from tigon.ops.fused_linear_preference import scaled_grads, sequence_chunks, sequences_per_chunk_for
+from tigon.ops.fused_linear_preference import scaled_grads
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -498,57 +500,100 @@ def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature
 
 
 
-# loss_share(sequence_ids [k], logps [k, T] fp64, requires grad) → the share of the loss of the
-# chunk's k whole sequences (fp64 scalar, differentiable in logps); the loss is the sum of shares.
-LogprobLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# loss_share(rows, logps) → the share of the loss of the chunk's tokens ``rows`` (a slice of the
+# flattened [S·T] tokens; whole sequences unless the caller lets chunks split them) from their
+# log-probs ``logps [C]`` (fp64, requires grad): an fp64 scalar, differentiable in logps. The loss
+# is the sum of the shares.
+LogprobLoss = Callable[[slice, torch.Tensor], torch.Tensor]
 
 
 class FusedLinearLogprobLossFunction(torch.autograd.Function):
-    """A loss of the per-token log-probs of whole sequences, with gradients computed in forward:
-    per chunk of sequences, the log-probs, then ``dL/dlogp`` by autograd through the loss's
-    formula on ``[k, T]`` values, then ``onehot − p`` over the chunk's logits by the recomputing
-    kernel, each row scaled by its ``dL/dlogp`` in the chunk loop's matmuls (``6·N·H·V`` FLOPs in
-    all). Backward scales
-    the saved gradients by ``grad_output`` in place (so it runs once per forward). Also returns
-    the per-token log-probs and entropies (fp32 ``[S, T]``, not differentiable) for metrics."""
+    """A loss of the per-token log-probs, with gradients computed in forward. Per chunk of at most
+    ``chunk_memory_bytes`` of logits: the log-probs, then ``dL/dlogp`` by autograd through the
+    loss's formula, then ``onehot − p`` over the chunk's logits by the recomputing kernel, each row
+    scaled by its ``dL/dlogp`` in the chunk loop's matmuls (``6·N·H·V`` FLOPs in all). The chunks
+    are:
+
+    - rows of the flattened tokens, splitting sequences, with ``split_sequences`` (the loss's
+      share of a token depends on no other token's log-prob);
+    - else whole sequences, as many as fit;
+    - else, for sequences longer than the budget, two passes over rows: the log-probs of every
+      token, then the loss of all sequences at once and its ``dL/dlogp``, then the chunks' logits
+      again for the gradients, the last chunk's still held from the first pass
+      (``6·N·H·V + 2·(N − C)·H·V`` FLOPs).
+
+    Backward scales the saved gradients by ``grad_output`` in place (so it runs once per forward).
+    Also returns the per-token log-probs and entropies (fp32 ``[S, T]``, not differentiable) for
+    metrics."""
 
     @staticmethod
-    def forward(ctx, input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs):
+    def forward(ctx, input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature,
+                chunk_memory_bytes, needs):
         n_sequences, seq_len = target.shape
         x2d, target_rows = as_rows(input), target.reshape(-1)
-        per_chunk = sequences_per_chunk_for(seq_len, weight.shape[0], x2d.element_size(), False, chunk_memory_bytes)
-        chunks = sequence_chunks(n_sequences, seq_len, False, per_chunk)
+        n_rows = target_rows.numel()
+        chunk_rows = chunk_rows_for(n_rows, weight.shape[0], x2d.element_size(), chunk_memory_bytes)
+        two_pass = not split_sequences and seq_len > chunk_rows
+        if not (split_sequences or two_pass):
+            chunk_rows -= chunk_rows % max(seq_len, 1)
+        chunks = row_chunks(n_rows, chunk_rows)
         compute_grad = any(needs)
         grad_input, grad_weight, grad_bias = new_grads(x2d, weight, *needs)
-        n_rows = target_rows.numel()
         log_prob, lse, entropy = (x2d.new_empty(n_rows, dtype=torch.float32) for _ in range(3))
         loss = torch.zeros((), dtype=torch.float64, device=input.device)
         transform = (ignore_index, temperature, None, 1.0)
-        ones = torch.ones(min(per_chunk, n_sequences) * seq_len, dtype=torch.float32, device=input.device)
+        ones = torch.ones(min(chunk_rows, n_rows), dtype=torch.float32, device=input.device)
+        logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
 
-        def loss_head(ranges, logits):
-            ((start, end),) = ranges
-            rows = slice(start, end)
+        def logprobs_head(ranges, logits):
+            rows = slice(*ranges[0])
             launch_logprobs_fwd(
                 logits, target_rows[rows], [log_prob[rows], lse[rows], entropy[rows], None, None, None], None,
                 *transform,
             )
-            sequence_ids = torch.arange(start // seq_len, end // seq_len, device=logits.device)
+
+        def add_share(rows):
+            """Adds the loss of the tokens ``rows`` to ``loss``; → their fp32 ``dL/dlogp``, or ``None``."""
             with torch.enable_grad():
-                logps = log_prob[rows].view(-1, seq_len).double().requires_grad_(compute_grad)
-                share = loss_share(sequence_ids, logps)
+                logps = log_prob[rows].double().requires_grad_(compute_grad)
+                share = loss_share(rows, logps)
             loss.add_(share.detach())
             if not compute_grad:
                 return None
             grad_logps = torch.autograd.grad(share, logps, allow_unused=True)[0]
-            grad_logps = torch.zeros_like(logps) if grad_logps is None else grad_logps
+            return torch.zeros_like(log_prob[rows]) if grad_logps is None else grad_logps.float()
+
+        def logprobs_grad(rows, logits):
             # dlogits of the log-probs themselves (onehot − p), each row's dL/dlogp applied by the
             # chunk loop in fp32 as row_scale: dL/dlogp is ~1/tokens, and folded into 16-bit
             # dlogits it would flush p·dL/dlogp (~1e-8 for a flat softmax) to zero in fp16.
-            launch_logprobs_bwd(logits, target_rows[rows], lse[rows], None, ones[: end - start], None, *transform)
-            return grad_logps.float().view(-1)
+            launch_logprobs_bwd(logits, target_rows[rows], lse[rows], None, ones[: logits.shape[0]], None, *transform)
 
-        fused_linear_chunks(x2d, weight, bias, chunks, loss_head, grad_input, grad_weight, grad_bias)
+        def loss_head(ranges, logits):
+            rows = slice(*ranges[0])
+            logprobs_head(ranges, logits)
+            grad_logps = add_share(rows)
+            if grad_logps is not None:
+                logprobs_grad(rows, logits)
+            return grad_logps
+
+        if not two_pass:
+            fused_linear_chunks(x2d, weight, bias, chunks, loss_head, grad_input, grad_weight, grad_bias,
+                                logits_buffer=logits_buffer)
+        else:
+            fused_linear_chunks(x2d, weight, bias, chunks, logprobs_head, logits_buffer=logits_buffer)
+            all_grad_logps = add_share(slice(0, n_rows))
+            if all_grad_logps is not None:
+
+                def recomputed_grad_head(ranges, logits):
+                    rows = slice(*ranges[0])
+                    logprobs_grad(rows, logits)
+                    return all_grad_logps[rows]
+
+                fused_linear_chunks(
+                    x2d, weight, bias, chunks[-1:] + chunks[:-1], recomputed_grad_head, grad_input, grad_weight,
+                    grad_bias, logits_buffer=logits_buffer, first_chunk_computed=True,
+                )
         ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
         ctx.needs, ctx.input_shape = needs, input.shape
         log_prob, entropy = log_prob.view(n_sequences, seq_len), entropy.view(n_sequences, seq_len)
@@ -558,23 +603,25 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob, grad_entropy):
         grad_input, grad_weight, grad_bias = scaled_grads(ctx.saved_tensors, ctx.needs, grad_loss, ctx.input_shape)
-        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None
 
 
-def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, ignore_index: int,
-                              temperature: float, chunk_memory_bytes: int | None,
+def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, split_sequences: bool,
+                              ignore_index: int, temperature: float, chunk_memory_bytes: int | None,
                               ids: tuple[str, torch.Tensor] | None = None):
     """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
-    entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over chunks of whole
-    sequences; inputs validated by :mod:`tigon.losses`, the targets' range here, once the kernels
-    are queued: of ``target`` less ``ignore_index``, or, with ``ids = (name, tensor)``, of every
-    entry of the caller's ``tensor`` (the ids ``target`` was made from), reported as ``name``."""
+    entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over the chunks of
+    :class:`FusedLinearLogprobLossFunction` (``split_sequences``: chunks may split a sequence);
+    inputs validated by :mod:`tigon.losses`, the targets' range here, once the kernels are queued:
+    of ``target`` less ``ignore_index``, or, with ``ids = (name, tensor)``, of every entry of the
+    caller's ``tensor`` (the ids ``target`` was made from), reported as ``name``."""
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
     name, checked, checked_ignore = ("target", target, ignore_index) if ids is None else (*ids, None)
     bounds = target_bounds(checked, checked_ignore)
     result = FusedLinearLogprobLossFunction.apply(
-        input, weight, target, bias, loss_share, ignore_index, temperature, chunk_memory_bytes, needs,
+        input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature, chunk_memory_bytes,
+        needs,
     )
     check_target_bounds(bounds, weight.shape[0], checked_ignore, name)
     return result
