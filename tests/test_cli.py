@@ -13,7 +13,8 @@ from tigon import cli
 from tigon.cli import main as tigon_command
 
 # Each command and subcommand, as its arguments before --help.
-COMMANDS = [[], ["check"], ["demo"], ["export-kernels"], ["bench"], ["bench", "e2e"], ["bench", "moe"]]
+COMMANDS = [[], ["check"], ["demo"], ["export-kernels"], ["bench"], ["bench", "e2e"], ["bench", "moe"],
+            ["bench", "longctx"]]
 
 
 def test_version(capsys):

@@ -50,7 +50,7 @@ def _export_kernels(argv: list[str]) -> int:
 
 COMMANDS = {
     "check": (_check, "every public op in fp32 and bf16 against its reference (environment, errors, time)"),
-    "bench": (_bench, "benchmarks against PyTorch, torch.compile and the peers; bench e2e, bench moe"),
+    "bench": (_bench, "benchmarks against PyTorch, torch.compile and the peers; bench e2e, bench moe, bench longctx"),
     "demo": (_demo, "train a small Llama plain and patched by tigon; compare the losses (and speed, memory on a GPU)"),
     "export-kernels": (_export_kernels, "write tigon as a kernel repository for transformers' kernel hub"),
 }

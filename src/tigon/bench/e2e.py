@@ -78,8 +78,6 @@ import argparse
 import gc
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -94,6 +92,7 @@ from tigon.bench.e2e_models import (
     MODELS, attention_for, batch_maker, build_model, decoder_layers, experts_in, quantize_4bit, with_lora,
 )
 from tigon.bench.machine import default_out, environment, peak_gib, reset_peak, synchronize
+from tigon.bench.processes import failure_record, launch, print_result
 
 SETUPS = ("hf", "liger", "tigon", "tigon_head")
 LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
@@ -397,8 +396,7 @@ def run_job(args, job: Job, device: str) -> dict:
             result.update(run(resolved, job.model, job.setup, device))
     except Exception as error:  # noqa: BLE001  (recorded: out of memory, a patch raising, a peer missing)
         traceback.print_exc()
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        result.update(error=f"{type(error).__name__}: {first_line}"[:500], traceback=traceback.format_exc()[-3000:])
+        result.update(failure_record(error))
     return result
 
 
@@ -431,27 +429,8 @@ def run_child(args) -> int:
         dist.destroy_process_group()
         if rank:
             return 0
-    print("RESULT " + json.dumps(results))
+    print_result(results)
     return 0
-
-
-def launch(command: list[str], what: str, timeout: float) -> list[dict] | None:
-    """Run a child command; its results are the JSON after its last ``RESULT `` line."""
-    # In a session of its own, so that a run past its time goes with all its processes (the ranks
-    # torchrun started would otherwise hold their GPUs).
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        stdout, stderr = child.communicate()
-        print(f"{what}: timed out after {timeout:.0f} s\n{stderr[-4000:]}", flush=True)
-        return None
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if child.returncode or not lines:
-        print(f"{what}: failed (exit {child.returncode})\n{stderr[-4000:]}", flush=True)
-        return None
-    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def child_command(argv: list[str], jobs: list[Job], gpus: int, budget: str | None) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tigon.bench.runner import Ceilings
@@ -109,12 +110,13 @@ def format_table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+def write_csv(rows: list[dict], path: Path, columns: Sequence[str] = COLUMNS) -> None:
+    """``rows`` as CSV, one column each of ``columns`` (a missing or ``None`` value left empty)."""
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for row in rows:
-            writer.writerow({column: "" if row[column] is None else row[column] for column in COLUMNS})
+            writer.writerow({column: "" if row.get(column) is None else row[column] for column in columns})
 
 
 def write_json(rows: list[dict], meta: dict, path: Path) -> None:
