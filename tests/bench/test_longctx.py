@@ -72,7 +72,8 @@ def smoke_args(*argv: str):
     return args
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("a kernel failed")])
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), MemoryError("pinned host memory"),
+                                   RuntimeError("a kernel failed")])
 def test_a_failed_length_ends_the_search_and_is_recorded(monkeypatch, error):
     """Hugging Face's setup on the tiny model, in this process, its steps replaced by one that runs
     out of memory (or fails otherwise) above 64 tokens."""
@@ -89,9 +90,10 @@ def test_a_failed_length_ends_the_search_and_is_recorded(monkeypatch, error):
     longctx.summarize(result)
     statuses = [(row["seq_len"], row["status"]) for row in result["measurements"]]
     assert result["complete"]
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         # 32 and 64 train, 128 runs out of memory, and so does 96 between them: the search ends there.
-        assert statuses == [(32, "ok"), (64, "ok"), (128, "out of memory"), (96, "out of memory")]
+        failed = "out of memory" if isinstance(error, torch.OutOfMemoryError) else "out of host memory"
+        assert statuses == [(32, "ok"), (64, "ok"), (128, failed), (96, failed)]
         assert "error" not in result and progress == [1, 1, 2, 2, 3, 3, 4, 4]
         assert (result["longest_seq_len"], result["first_failed_seq_len"]) == (64, 96)
     else:

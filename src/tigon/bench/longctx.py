@@ -36,7 +36,7 @@ trains and then bisecting between the longest that trained and the shortest that
 memory, in multiples of ``--step`` (default 16384) up to ``--max-tokens``; ``--lengths`` measures
 the lengths given instead, in increasing order. At each ``T``: one warm-up training step, then
 ``--steps`` timed ones (default 1): tokens/s and the peak memory allocated by the timed steps. Out
-of memory ends the doubling (and the list of ``--lengths``); any other error ends the setup and is
+of memory (the GPU's, or the host's for pinned buffers) ends the doubling (and the list of ``--lengths``); any other error ends the setup and is
 recorded. A result records every length tried, the longest that trained and the shortest that
 failed. Child processes run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the
 environment sets it (the long steps' allocations vary in size; every setup gets the same).
@@ -218,6 +218,8 @@ def run_setup(args: argparse.Namespace, setup: str, device: str, progress: Calla
                 measured = time_steps(step, seq_len, 1, args.steps, device)
             except torch.OutOfMemoryError:
                 row["status"] = OUT_OF_MEMORY
+            except MemoryError:  # the host's: tigon's offloader refuses pinned buffers it cannot have
+                row["status"] = "out of host memory"
             except Exception:
                 row["status"] = "error"
                 raise
