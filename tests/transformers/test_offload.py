@@ -9,6 +9,7 @@ inputs must really leave (counted by the saved-tensor hooks), and the buffers mu
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -80,6 +81,22 @@ def test_each_recomputed_layer_input_goes_to_host_once_and_comes_back_once(monke
     assert moved == {"out": N_LAYERS - 1, "back": N_LAYERS - 1}
     hidden = model.config.hidden_size * input_ids.numel() * 4
     assert offload_host_bytes(model) == (N_LAYERS - 1) * hidden
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_device_inputs_are_freed_once_offloaded(offload):
+    model = apply_tigon(tiny_model("llama", num_hidden_layers=N_LAYERS).train())
+    set_checkpointing(model, 1, offload=offload)
+    inputs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append(weakref.ref(args[0])))
+    loss = model(input_ids=tiny_batch()[0], labels=tiny_batch()[1]).loss
+    gc.collect()
+    alive = [ref() is not None for ref in inputs]
+    # The last layer keeps its activations (its input among them); the recomputed ones keep only
+    # their input, on the device unless offloaded.
+    assert alive == [not offload] * (N_LAYERS - 1) + [True]
+    loss.backward()
 
 
 def test_host_buffers_are_reused_across_steps_and_released_for_longer_sequences():

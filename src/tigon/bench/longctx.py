@@ -34,8 +34,8 @@ default 80 GiB: an H200 then runs out where an H100 would) and searches the sequ
 at batch 1 (:func:`search_lengths`): from ``--start`` (default ``--step``), doubling while a step
 trains and then bisecting between the longest that trained and the shortest that ran out of
 memory, in multiples of ``--step`` (default 16384) up to ``--max-tokens``; ``--lengths`` measures
-the lengths given instead, in increasing order. At each ``T``: one warm-up training step, then
-``--steps`` timed ones (default 1): tokens/s and the peak memory allocated by the timed steps. Out
+the lengths given instead, in increasing order. At each ``T``: ``--warmup`` untimed training steps
+(default 1), then ``--steps`` timed ones (default 1): tokens/s and the peak memory allocated by the timed steps. Out
 of memory (the GPU's, or the host's for pinned buffers) ends the doubling (and the list of ``--lengths``); any other error ends the setup and is
 recorded. A result records every length tried, the longest that trained and the shortest that
 failed. Child processes run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the
@@ -53,7 +53,7 @@ process is killed past ``--timeout`` (or dies) keeps the lengths it measured, wi
 
     tigon bench longctx [--model llama | llama_1b] [--lora | --full | --qlora] [--setups SETUP ...]
         [--layers L] [--cap-gib 80] [--start T] [--step 16384] [--max-tokens 524288] [--lengths T ...]
-        [--steps 1] [--timeout S] [--smoke] [--out DIR]
+        [--warmup 1] [--steps 1] [--timeout S] [--smoke] [--out DIR]
     (python -m tigon.bench.longctx takes the same arguments)
 """
 
@@ -215,7 +215,7 @@ def run_setup(args: argparse.Namespace, setup: str, device: str, progress: Calla
             result["measurements"].append(row)
             progress(result)
             try:
-                measured = time_steps(step, seq_len, 1, args.steps, device)
+                measured = time_steps(step, seq_len, args.warmup, args.steps, device)
             except torch.OutOfMemoryError:
                 row["status"] = OUT_OF_MEMORY
             except MemoryError:  # the host's: tigon's offloader refuses pinned buffers it cannot have
@@ -393,8 +393,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Names
                         "64 with --smoke)")
     search.add_argument("--lengths", nargs="+", type=int, metavar="T",
                         help="measure these lengths (in increasing order, until one fails) instead of searching")
-    search.add_argument("--steps", type=int, default=1, help="timed steps at each length, after one warm-up step "
-                        "(default: 1)")
+    search.add_argument("--steps", type=int, default=1, help="timed steps at each length (default: 1)")
+    search.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default: 1; 0 for lengths "
+                        "whose steps take minutes: the one step then also warms up)")
     run = parser.add_argument_group("the run")
     run.add_argument("--smoke", action="store_true",
                      help="a tiny fp32 model, on the CPU without a GPU: checks the code paths, times nothing")
@@ -421,6 +422,8 @@ def resolve_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for name in ("layers", "step", "start", "max_tokens", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} takes at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup takes at least 0, got {args.warmup}")
     if args.lengths and min(args.lengths) < 1:
         parser.error(f"--lengths takes lengths of at least 1, got {args.lengths}")
     if args.start % args.step:
@@ -440,7 +443,7 @@ def new_record(args: argparse.Namespace, device: str) -> dict:
             "layers": args.layers, "dtype": "fp32" if args.smoke else "bf16", "batch": 1, "attention": args.attn,
             "optimizer": "AdamW (fused)", "gradient_checkpointing": "non-reentrant", "cap_gib": args.cap_gib if on_gpu
             else None, "lengths": args.lengths, "start": args.start, "step": args.step, "max_tokens": args.max_tokens,
-            "warmup_steps": 1, "timed_steps": args.steps,
+            "warmup_steps": args.warmup, "timed_steps": args.steps,
             "allocator": child_environment().get("PYTORCH_CUDA_ALLOC_CONF") if on_gpu else None,
         },
         "results": [],

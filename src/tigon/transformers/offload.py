@@ -101,8 +101,12 @@ class ActivationOffloader:
     @contextlib.contextmanager
     def saving(self, tensor: torch.Tensor) -> Iterator[None]:
         """Inside, a save of ``tensor`` by autograd (a checkpoint saving its input) goes to host memory."""
+        # Autograd keeps the pack hook as long as what it saved: a weak reference, or the hook
+        # would keep the device tensor alive that it moves to the host.
+        target = weakref.ref(tensor)
+
         def pack(saved: torch.Tensor) -> Any:
-            return self._offload(saved) if saved is tensor else saved
+            return self._offload(saved) if saved is target() else saved
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
