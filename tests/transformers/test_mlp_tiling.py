@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_peft_lora import lora_model, step
 from tiny_models import tiny_batch, tiny_model
-from utils import relative_error
+from utils import assert_ill_conditioned, relative_error
 
 from tigon.ops import gated as gated_ops
 from tigon.testing import TOLERANCE
@@ -54,16 +54,22 @@ def test_tiled_model_matches_the_untiled_one(plan, monkeypatch):
     assert rows and max(rows) == TILE
 
 
-def test_tiled_lora_matches_the_untiled_one():
+def test_tiled_lora_matches_peft():
+    """Under PEFT's LoRA, as tests/transformers/test_peft_lora.py: the loss and each adapter's
+    gradient within 1e-5 of PEFT's fp32 ones, or as close to fp64 as those are (within 4x) where
+    PEFT's fp32 gradient is ill-conditioned."""
     batch = dict(zip(("input_ids", "labels"), tiny_batch()))
+    peft_loss, peft_grads, _ = step(lora_model("peft"), batch, seed=0)
+    _, exact_grads, _ = step(lora_model("peft", dtype=torch.float64), batch, seed=0)
     model = lora_model("peft_then_patch")
-    truth_loss, truth_grads, _ = step(model, batch, seed=0)
     set_mlp_tiling(model, TILE)
     loss, grads, functions = step(model, batch, seed=0)
     assert "GatedMLPFunctionBackward" in functions
-    assert relative_error(loss, truth_loss) < TOLERANCE[torch.float32]
+    assert abs(loss - peft_loss) <= 1e-5 * abs(peft_loss)
+    assert grads.keys() == peft_grads.keys()
     for name, grad in grads.items():
-        assert relative_error(grad, truth_grads[name]) < TOLERANCE[torch.float32], name
+        if relative_error(grad, peft_grads[name]) > 1e-5:
+            assert_ill_conditioned(f"grad of {name}", grad, peft_grads[name], exact_grads[name])
 
 
 def test_apply_tigon_sets_the_tile_and_unapply_removes_it():
