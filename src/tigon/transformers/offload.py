@@ -16,7 +16,9 @@ host memory instead, and back before the layer recomputes:
 - **Buffers**: pinned host buffers are allocated as needed the first step and reused by later
   ones (a buffer is free again once the autograd graph that saved it is freed); buffers smaller
   than a new request are released first, so a run whose sequences grow does not keep the short
-  ones' buffers. :attr:`ActivationOffloader.host_bytes` is what is held. A buffer that would leave
+  ones' buffers. The buffers are host memory of their own, pinned with ``cudaHostRegister`` (not
+  PyTorch's pinned-memory cache, which keeps what it once allocated): a released buffer goes back to
+  the host. :attr:`ActivationOffloader.host_bytes` is what is held. A buffer that would leave
   the host with less than 5% of its memory available is refused (:class:`HostMemoryError`, which
   says how much the step needs), rather than letting the kernel kill the process.
 
@@ -57,6 +59,20 @@ def host_memory() -> tuple[int, int]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), total
 
 
+def _check_cuda(status, call: str) -> None:
+    if int(status) != 0:
+        raise RuntimeError(f"offloaded checkpoints: {call} failed with CUDA error {int(status)} ({status})")
+
+
+def _unpin(buffers: list[torch.Tensor], pinned: set[int]) -> None:
+    if pinned:
+        torch.cuda.synchronize()
+    for buffer in buffers:
+        if buffer.data_ptr() in pinned:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    pinned.clear()
+
+
 class _HostCopy:
     """A saved tensor while it is in host memory: its buffer, and its device copy once fetched."""
 
@@ -77,6 +93,10 @@ class ActivationOffloader:
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
         self._free: list[torch.Tensor] = []  # uint8 host buffers no saved tensor uses
+        self._pinned: set[int] = set()  # the data pointers of the buffers registered with CUDA
+        # Buffers in use belong to saved tensors, which keep the offloader alive: when it goes, its
+        # buffers are all free, and are unregistered before their memory is freed.
+        weakref.finalize(self, _unpin, self._free, self._pinned)
         self._held = 0
         self._in_use = 0
         self.peak_in_use = 0  # bytes in use at most since reset_peak()
@@ -96,7 +116,7 @@ class ActivationOffloader:
         """Release free buffers, largest last, until the free ones hold at most ``max_bytes``."""
         self._free.sort(key=torch.Tensor.numel)
         while self._free and sum(buffer.numel() for buffer in self._free) > max_bytes:
-            self._held -= self._free.pop().numel()
+            self._drop(self._free.pop())
 
     @contextlib.contextmanager
     def saving(self, tensor: torch.Tensor) -> Iterator[None]:
@@ -127,8 +147,8 @@ class ActivationOffloader:
             self._free.remove(buffer)
             return buffer
         # Nothing free is large enough: the free buffers are from shorter sequences; let them go.
-        self._held -= sum(buffer.numel() for buffer in self._free)
-        self._free.clear()
+        while self._free:
+            self._drop(self._free.pop())
         available, total = host_memory()
         if available - nbytes < HOST_RESERVE_FRACTION * total:
             self._in_use -= nbytes
@@ -138,8 +158,21 @@ class ActivationOffloader:
                 f"available of {total / 2**30:.1f} GiB (5% is kept free): keep more layers on the device, offload "
                 "fewer, or train shorter sequences"
             )
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if pin:
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0), "cudaHostRegister")
+            self._pinned.add(buffer.data_ptr())
         self._held += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return buffer
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        """Give a free buffer back to the host, once no copy may still use it."""
+        if buffer.data_ptr() in self._pinned:
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._pinned.remove(buffer.data_ptr())
+            _check_cuda(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()), "cudaHostUnregister")
+        self._held -= buffer.numel()
 
     def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
         self._in_use -= nbytes
