@@ -243,10 +243,11 @@ def test_no_budget_fits_the_all_recomputed_peak():
 
 @pytest.mark.skipif(not ON_GPU, reason="the planner measures CUDA memory")
 def test_offload_auto_fits_a_budget_below_the_all_recomputed_peak_and_holds_in_training():
-    """On a model whose layer inputs are most of a step's memory (long rows, a small vocabulary)."""
+    """On a model whose layer inputs are most of a step's memory: many narrow layers, long rows, a
+    small vocabulary (24 inputs of 32 MiB; one layer's recomputation holds about ten such tensors)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=8,
+    config = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=24, num_attention_heads=8,
                          num_key_value_heads=8, vocab_size=4096, attn_implementation="sdpa")
 
     def model_and_optimizer():
@@ -265,7 +266,8 @@ def test_offload_auto_fits_a_budget_below_the_all_recomputed_peak_and_holds_in_t
     set_checkpointing(model, 0, offload=True)
     offloaded = measure_step_peak(model, batch(0), optimizer=optimizer)
     layer_input = 2 * 16384 * config.hidden_size * 2 / 2**30
-    assert offloaded < on_device - 8 * layer_input, (offloaded, on_device)
+    # At least half the inputs leave the device (all but the one recomputing and the one fetched).
+    assert offloaded < on_device - 12 * layer_input, (offloaded, on_device)
     budget = (offloaded + on_device) / 2
     plan = fit_checkpointing(model, batch(0), budget, optimizer=optimizer, offload="auto")
     assert plan.offload and plan.host_gib > 0 and plan.peak_gib <= budget, plan
