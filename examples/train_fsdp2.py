@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tigon.transformers import apply_tigon_to_llama, apply_tigon_to_qwen3_moe
+from tigon.transformers import apply_tigon_to_llama, apply_tigon_to_qwen3_moe, set_checkpointing
 
 STRATEGIES = ("fsdp2", "ddp", "zero3", "single")
 DEEPSPEED_CONFIG = Path(__file__).with_name("deepspeed_zero3.json")
@@ -59,6 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the input embeddings' weight")
     parser.add_argument("--shard-lm-head", action="store_true",
                         help="FSDP2: lm_head is a unit of its own, resharded after its forward")
+    parser.add_argument("--offload", action="store_true",
+                        help="each layer's checkpointed input in host memory until its backward (long sequences)")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per process per forward")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per step on each process")
@@ -112,6 +114,8 @@ def build_model(args, device: torch.device):
     torch.manual_seed(0)  # the same weights in every process
     model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.offload:
+        set_checkpointing(model, 0, offload=True)  # each rank offloads its own layers' inputs
     model.config.use_cache = False
     model.train()
     return model

@@ -52,6 +52,11 @@ TWO_PROCESSES = {
     "fsdp2-tied": Run(("--strategy", "fsdp2", "--precision", "fp32", "--tie-embeddings"), "fp32-tied", 1e-5),
     # Qwen3-MoE layers, their experts on tigon's kernel, the expert weights sharded by expert.
     "fsdp2-moe": Run(("--strategy", "fsdp2", "--precision", "fp32", "--model", "qwen3_moe"), "fp32-moe", 1e-5),
+    # Every layer's checkpointed input in host memory on each rank, MoE experts included.
+    "fsdp2-offload": Run(("--strategy", "fsdp2", "--precision", "fp32", "--offload"), "fp32", 1e-5),
+    "fsdp2-moe-offload": Run(
+        ("--strategy", "fsdp2", "--precision", "fp32", "--model", "qwen3_moe", "--offload"), "fp32-moe", 1e-5
+    ),
     "zero3": Run(("--strategy", "zero3", "--precision", "fp32"), "fp32", 1e-5),
     "fsdp2-bf16": Run(("--strategy", "fsdp2", "--precision", "bf16"), "bf16", 1e-3),
     "zero3-bf16": Run(("--strategy", "zero3", "--precision", "bf16"), "bf16", 1e-3),

@@ -13,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from test_peft_lora import lora_model
 from tiny_models import tiny_batch, tiny_model
 from utils import ON_GPU
 
@@ -46,6 +47,23 @@ def test_offload_gives_bitwise_the_gradients_of_the_same_plan(patched, kept):
         assert grads.keys() == truth_grads.keys()
         for name, grad in grads.items():
             assert torch.equal(grad, truth_grads[name]), f"step {step}: {name}'s gradient differs"
+
+
+@pytest.mark.parametrize("model_type", ["peft_lora", "qwen3_moe"])
+def test_offload_composes_with_peft_and_moe_experts(model_type):
+    if model_type == "peft_lora":
+        model = lora_model("peft_then_patch")
+    else:
+        model = apply_tigon(tiny_model("qwen3_moe", num_hidden_layers=N_LAYERS).train())
+    input_ids, labels = tiny_batch()
+    set_checkpointing(model, 0)
+    truth_loss, truth_grads = _loss_and_grads(model, input_ids, labels)
+    set_checkpointing(model, 0, offload=True)
+    loss, grads = _loss_and_grads(model, input_ids, labels)
+    assert torch.equal(loss, truth_loss) and grads.keys() == truth_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, truth_grads[name]), name
+    assert offload_host_bytes(model) > 0
 
 
 def test_offload_wraps_only_the_recomputed_layers_and_undoes():
