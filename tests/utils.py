@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import importlib.util
 
 import torch
@@ -114,7 +113,9 @@ def hugging_face_state():
 
     state = []
     for family in FAMILIES.values():
-        module = importlib.import_module(family.module)
+        module = patching.modeling_module(family)
+        if module is None:  # a family newer than the installed transformers
+            continue
         head = getattr(module, family.head) if family.head else None
         methods = {name: vars(head).get(name) for name in ("forward", "post_init")} if head else {}
         state.append((module, dict(vars(module)), head, methods))

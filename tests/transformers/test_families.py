@@ -2,6 +2,7 @@
 
 import functools
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -57,25 +58,51 @@ TIGHT = 1e-5
 LATER_LOSSES = 1e-3
 
 
-def open_on(cases: dict[str, bool], reason: str, model_types=tuple(FAMILIES)):
-    """``model_types`` sorted, those of ``cases`` whose condition holds marked strict-xfail for ``reason``."""
-    return [
-        pytest.param(t, marks=pytest.mark.xfail(cases[t], strict=True, reason=reason)) if t in cases else t
-        for t in sorted(model_types)
-    ]
+TRANSFORMERS_MINOR = ".".join(transformers.__version__.split(".")[:2])
+# What each tested transformers lacks of its families' rows (model_type -> the names patching warns
+# of and leaves to Hugging Face), beyond the families newer than it (NOT_INSTALLED): GPT-OSS's
+# rotary function of 5.6 takes an unused position_ids, and Qwen2-VL's and Qwen2.5-VL's 5.6
+# modules have no apply_rotary_pos_emb. Experts classes renamed since are found by former_names.
+MISSING_IN = {
+    "5.6": {
+        "gpt_oss": {"apply_rotary_pos_emb"}, "qwen2_vl": {"apply_rotary_pos_emb"},
+        "qwen2_5_vl": {"apply_rotary_pos_emb"},
+    },
+    "5.17": {},
+    "5.24": {},
+}
+MISSING = MISSING_IN.get(TRANSFORMERS_MINOR, {})
+NOT_INSTALLED = {t for t, family in FAMILIES.items() if patching.modeling_module(family) is None}
+
+
+def family_params(model_types=tuple(FAMILIES), open_cases=None, reason=""):
+    """``model_types`` sorted: those the installed transformers lacks marked skip, those of
+    ``open_cases`` whose condition holds marked strict-xfail for ``reason``."""
+    params = []
+    for t in sorted(model_types):
+        marks = []
+        if t in NOT_INSTALLED:
+            marks.append(pytest.mark.skip(reason=f"transformers {transformers.__version__} has no {FAMILIES[t].module}"))
+        if open_cases and t in open_cases:
+            marks.append(pytest.mark.xfail(open_cases[t], strict=True, reason=reason))
+        params.append(pytest.param(t, marks=marks))
+    return params
 
 
 def assert_uses_tigon(model, model_type):
     """Every layer that the family's row (and its sub-models' rows) names is tigon's, at least one
-    layer is, each rotary function is tigon's drop-in, and the forward computes tigon's loss."""
+    layer is, each rotary function is tigon's drop-in (but those the installed transformers lacks,
+    MISSING), and the forward computes tigon's loss."""
     for family in patching.families_in(model, FAMILIES[model_type]):
         module = importlib.import_module(family.module)
         for row in (*family.norms, *family.mlps):
-            original = patching._lookup(module, row.name, "", "")
+            owner, dot, name = row.name.rpartition(".")
+            original = getattr(importlib.import_module(owner) if dot else module, name)
             original = getattr(original, "tigon_replaces", original)
             assert not any(type(layer) is original for layer in model.modules()), f"{row.name} not patched"
         for row in family.ropes:
-            assert getattr(module, row.name) is layers.ROPE_FORMS[row.form], f"{row.name} not patched"
+            if row.name not in MISSING.get(family.model_type, ()):
+                assert getattr(module, row.name) is layers.ROPE_FORMS[row.form], f"{row.name} not patched"
     assert any(hasattr(type(layer), "tigon_replaces") for layer in model.modules()), "no layer patched"
     if FAMILIES[model_type].head is not None:
         assert hasattr(model.forward, "tigon_wraps")
@@ -159,9 +186,29 @@ def test_every_family_has_a_tiny_model():
     assert sorted([*TINY, *TINY_FAMILIES]) == sorted(FAMILIES)
 
 
+@pytest.mark.skipif(TRANSFORMERS_MINOR not in MISSING_IN, reason=f"no record of transformers {TRANSFORMERS_MINOR}")
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_patching_warns_of_each_piece_transformers_lacks(model_type):
+    """Each name of the row that the installed transformers lacks (all of them for a family newer
+    than it) is named in a warning with the family and the version, and nothing else is."""
+    family = FAMILIES[model_type]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PATCHERS[model_type]()
+    messages = [str(w.message) for w in caught if issubclass(w.category, patching.MissingInTransformersWarning)]
+    expected = {family.module} if model_type in NOT_INSTALLED else MISSING.get(model_type, set())
+    assert len(messages) == len(expected), messages
+    for message in messages:
+        assert f"{model_type!r} models" in message and f"transformers {transformers.__version__}" in message
+    for name in expected:
+        assert any(name in message for message in messages), f"{name} not in {messages}"
+
+
 # Open, on the H100 only: DeepSeek V4's hyper-connection head's scale gets a gradient 1.8e-5 from
 # the fp64 one, where Hugging Face's fp32 is 6.6e-7 from it (on the CPU both are near 1e-5).
-@pytest.mark.parametrize("model_type", open_on({"deepseek_v4": ON_GPU}, "DeepSeek V4's hc_scale gradient"))
+@pytest.mark.parametrize(
+    "model_type", family_params(open_cases={"deepseek_v4": ON_GPU}, reason="DeepSeek V4's hc_scale gradient")
+)
 def test_family_trains_like_plain(model_type):
     batch = batch_of(model_type)
     truth = train(build(model_type), batch)
@@ -221,7 +268,8 @@ def assert_bf16_as_close_to_fp32_as_plain(patched, plain, truth):
 # 2.7e-6, that layer's expert gradients differ by 2% and the embedding's by 6e-3; with either
 # tigon's RoPE or its RMSNorm off, every gradient agrees within 4e-6.
 @pytest.mark.parametrize(
-    "model_type", open_on({"glm4v_moe": ON_GPU}, "GLM-4.5V's text-only embedding gradient", VISION_LANGUAGE)
+    "model_type",
+    family_params(VISION_LANGUAGE, open_cases={"glm4v_moe": ON_GPU}, reason="GLM-4.5V's text-only embedding gradient"),
 )
 def test_vision_language_model_text_only(model_type):
     batch = batch_of(model_type, images=False)
@@ -240,7 +288,9 @@ def test_vision_language_model_text_only(model_type):
 BF16_OPEN = {"deepseek_v4": not ON_GPU, "qwen3_5_text": not ON_GPU, "mllama": ON_GPU}
 
 
-@pytest.mark.parametrize("model_type", open_on(BF16_OPEN, "one bf16 gradient farther from fp32 than HF's"))
+@pytest.mark.parametrize(
+    "model_type", family_params(open_cases=BF16_OPEN, reason="one bf16 gradient farther from fp32 than HF's")
+)
 def test_family_bf16_as_close_to_fp32_as_plain(model_type):
     batch = batch_of(model_type)
     truth = train(build(model_type), batch)

@@ -2,15 +2,16 @@
 kernel, through apply_tigon or set on the config, computing what transformers' grouped_mm does."""
 
 import functools
-import importlib
+import inspect
 
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
-from tigon.transformers import FAMILIES, apply_tigon, apply_tigon_to_mixtral, moe
+from tigon.transformers import FAMILIES, apply_tigon, apply_tigon_to_mixtral, moe, patching
 from tiny_family_models import tiny_family_batch, tiny_family_model
 from tiny_models import TINY, tiny_batch, tiny_model
 from utils import assert_ill_conditioned, graph_functions, hugging_face_as, hugging_face_original, relative_error
@@ -125,31 +126,44 @@ NOT_COMPUTED = {"DeepseekV4Experts"}
 
 def test_every_experts_class_is_in_the_table_with_a_gate_the_kernel_computes():
     for family in FAMILIES.values():
-        module = importlib.import_module(family.module)
+        module = patching.modeling_module(family)
+        if module is None:  # a family newer than the installed transformers
+            continue
         # use_experts_implementation gives the classes it decorates an _apply_gate.
         decorated = {
             name for name, value in vars(module).items()
             if isinstance(value, type) and value.__module__ == module.__name__ and hasattr(value, "_apply_gate")
         }
-        assert {row.name for row in family.experts} == decorated - NOT_COMPUTED, family.model_type
-        for row in family.experts:
-            gate = getattr(module, row.name)._apply_gate
-            assert gate is moe._default_apply_gate or moe._qualified_name(gate) in moe.CLAMPED_GATES, row.name
+        # Each row's class under its name in this transformers: the current one or a former one.
+        names = [next(name for name in (row.name, *row.former_names) if hasattr(module, name)) for row in family.experts]
+        assert set(names) == decorated - NOT_COMPUTED, family.model_type
+        for name in names:
+            gate = getattr(module, name)._apply_gate
+            assert gate is moe._default_apply_gate or moe._qualified_name(gate) in moe.CLAMPED_GATES, name
 
 
-def test_experts_implementation_set_without_apply_tigon(tmp_path):
+# transformers 5.6 takes at load only its own experts implementations; 5.7 and newer also those
+# registered, as importing tigon.transformers registers "tigon".
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.7"),
+    reason=f"transformers {transformers.__version__} loads no registered experts implementation",
+)
+def test_experts_implementation_loaded_by_name(tmp_path):
     plain = build("qwen3_moe")
     batch = batch_of("qwen3_moe")
     truth = loss_and_grads(plain, batch)
     plain.save_pretrained(tmp_path)
-    # Loaded with it: importing tigon.transformers registered "tigon".
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="tigon")
     loaded.to(next(plain.parameters()).device)
     assert experts_implementations(loaded) == {"tigon"}
     run = loss_and_grads(loaded, batch)
     assert KERNEL in run[1]
     assert_matches(run, truth)
-    # Set on a built model's config.
+
+
+def test_experts_implementation_set_on_a_built_model_config():
+    batch = batch_of("qwen3_moe")
+    truth = loss_and_grads(build("qwen3_moe"), batch)
     model = build("qwen3_moe")
     model.config._experts_implementation = "tigon"
     run = loss_and_grads(model, batch)
@@ -231,6 +245,38 @@ def test_experts_the_kernel_does_not_compute_are_refused_at_forward():
     config = transformers.PretrainedConfig(experts_implementation="tigon")
     with pytest.raises(ValueError, match="cannot compute UngatedExperts: its experts have no gate"):
         UngatedExperts(config)(hidden_states, top_k_index, top_k_weights)
+
+
+# transformers 5.7 and newer declare the gate's columns (is_concatenated); 5.6 leaves them to the
+# gate, which test_patched_experts_match_eager runs both kinds of (Mixtral's and GPT-OSS's).
+DECLARES_LAYOUT = "is_concatenated" in inspect.signature(use_experts_implementation).parameters
+
+
+@pytest.mark.skipif(not DECLARES_LAYOUT, reason=f"transformers {transformers.__version__} declares no column layout")
+def test_experts_declaring_columns_their_gate_does_not_read_are_refused_at_forward():
+    @use_experts_implementation(is_concatenated=False)
+    class MislabelledExperts(nn.Module):
+        """transformers' default gate over [gate | up] columns, declared interleaved."""
+
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8))
+            self.down_proj = nn.Parameter(torch.randn(4, 8, 8))
+            self.act_fn = nn.SiLU()
+
+    hidden_states, top_k_index, top_k_weights = torch.randn(3, 8), torch.tensor([[0, 1]] * 3), torch.ones(3, 2)
+    config = transformers.PretrainedConfig(experts_implementation="tigon")
+    with pytest.raises(ValueError, match="reads concatenated gate and up columns, but it declares is_concatenated=False"):
+        MislabelledExperts(config)(hidden_states, top_k_index, top_k_weights)
+
+
+@pytest.mark.skipif(
+    patching.modeling_module(FAMILIES["deepseek_v4"]) is None,
+    reason=f"transformers {transformers.__version__} has no DeepSeek V4",
+)
+def test_experts_with_a_gate_of_their_own_are_refused_at_forward():
+    hidden_states, top_k_index, top_k_weights = torch.randn(3, 8), torch.tensor([[0, 1]] * 3), torch.ones(3, 2)
     # DeepSeek V4's clamps gate and up in its own _apply_gate.
     config = transformers.DeepseekV4Config(
         hidden_size=8, intermediate_size=4, num_local_experts=4, experts_implementation="tigon"

@@ -16,6 +16,7 @@ from tigon.transformers import (
     apply_tigon,
     apply_tigon_to_gemma,
     apply_tigon_to_llama,
+    check_transformers_version,
     layers,
     patching,
     unapply_tigon,
@@ -190,11 +191,69 @@ def test_activation_the_kernel_does_not_compute_is_refused():
         transformers.LlamaForCausalLM(tiny_config("llama", hidden_act="gelu"))
 
 
-def test_renamed_class_is_named_in_the_error():
+def test_class_missing_in_transformers_is_left_unpatched_with_a_warning():
     renamed = dataclasses.replace(FAMILIES["llama"], norms=(Norm("LlamaRMSNormV2"),))
     flags = dict.fromkeys(patching.LAYER_FLAGS, True)
-    with pytest.raises(AttributeError, match="has no 'LlamaRMSNormV2' \\(norm class\\).*Pass rms_norm=False"):
-        patching.apply_family(renamed, cross_entropy=False, fused_linear_cross_entropy=True, lora=True, **flags)
+    warning = (
+        f"'llama' models keep Hugging Face's norm class \\(LlamaRMSNormV2\\): transformers {transformers.__version__} "
+        "has no LlamaRMSNormV2 in transformers.models.llama.modeling_llama .*pass rms_norm=False"
+    )
+    with pytest.warns(patching.MissingInTransformersWarning, match=warning):
+        model = patching.apply_family(
+            renamed, cross_entropy=False, fused_linear_cross_entropy=True, lora=True, model=tiny_model("llama"), **flags
+        )
+    # The rest of the row is patched.
+    assert type(model.model.norm) is llama_module.LlamaRMSNorm
+    assert isinstance(model.model.layers[0].mlp, layers.TigonMLP)
+    assert hasattr(model.forward, "tigon_wraps")
+
+
+def test_rotary_function_of_another_signature_is_left_unpatched_with_a_warning(monkeypatch):
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        raise AssertionError("not called: the test only patches")
+
+    monkeypatch.setattr(llama_module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    with pytest.warns(
+        patching.MissingInTransformersWarning,
+        match=r"rotary function \(apply_rotary_pos_emb\), as tigon's takes \(q, k, cos, sin, unsqueeze_dim\): "
+        r".* declares .*apply_rotary_pos_emb\(q, k, cos, sin, position_ids, unsqueeze_dim\)",
+    ):
+        model = apply_tigon(tiny_model("llama"))
+    assert llama_module.apply_rotary_pos_emb is apply_rotary_pos_emb
+    assert isinstance(model.model.norm, layers.TigonRMSNorm)
+
+
+def test_head_forward_without_labels_keeps_its_loss_with_a_warning(monkeypatch):
+    def forward(self, input_ids=None):
+        raise AssertionError("not called: the test only patches")
+
+    monkeypatch.setattr(llama_module.LlamaForCausalLM, "forward", forward)
+    with pytest.warns(
+        patching.MissingInTransformersWarning,
+        match=r"'llama' models keep Hugging Face's loss: .* declares .*forward\(self, input_ids=None\), without labels "
+        r"or \*\*kwargs .*pass fused_linear_cross_entropy=False",
+    ):
+        model = apply_tigon(tiny_model("llama"))
+    assert "forward" not in vars(model) and isinstance(model.model.norm, layers.TigonRMSNorm)
+
+
+def test_family_newer_than_transformers_is_said_and_changes_nothing():
+    newer = dataclasses.replace(FAMILIES["llama"], model_type="llama9", module="transformers.models.llama9.modeling_llama9")
+    flags = dict.fromkeys(patching.LAYER_FLAGS, True)
+    with pytest.warns(patching.MissingInTransformersWarning, match="'llama9' models .* has no transformers.models.llama9"):
+        patching.apply_family(newer, cross_entropy=False, fused_linear_cross_entropy=True, lora=True, **flags)
+    assert "llama9" not in patching._MODULE_PATCHES
+
+
+@pytest.mark.parametrize("version", ["5.6.0", "5.17.0", "5.24.0", "5.24.1"])
+def test_supported_transformers_versions_are_accepted(version):
+    check_transformers_version(version)
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "5.5.4", "5.25.0", "5.25.0.dev0", "6.0.0"])
+def test_transformers_outside_the_supported_range_is_refused(version):
+    with pytest.raises(ImportError, match=f"supports transformers >=5.6,<5.25, but transformers {version} is installed"):
+        check_transformers_version(version)
 
 
 def model_state(model):

@@ -127,10 +127,10 @@ def _text(**options):
 
 
 # ---------------------------------------------------------------------------------------------
-# model_type -> (config class, model class, options). For the vision-language families the
-# options hold ``text_config`` / ``vision_config`` dicts (merged one level deep with a caller's).
-
-T = transformers
+# model_type -> (config class, model class, options), the classes by their names in transformers
+# (looked up when a model is built: an older transformers lacks some families). For the
+# vision-language families the options hold ``text_config`` / ``vision_config`` dicts (merged one
+# level deep with a caller's).
 
 TINY_FAMILIES = {
     # ---- Dense text -------------------------------------------------------------------------
@@ -138,7 +138,7 @@ TINY_FAMILIES = {
     # layer 0 a dense MLP, layer 1 MoE (4 routed experts, top-2, 1 shared expert). No router aux
     # loss in Hugging Face's DeepseekV2ForCausalLM.
     "deepseek_v2": (
-        T.DeepseekV2Config, T.DeepseekV2ForCausalLM,
+        "DeepseekV2Config", "DeepseekV2ForCausalLM",
         dict(
             q_lora_rank=pick(cpu=16, gpu=384), kv_lora_rank=pick(cpu=16, gpu=256),
             qk_nope_head_dim=pick(cpu=8, gpu=64), qk_rope_head_dim=pick(cpu=8, gpu=32),
@@ -151,7 +151,7 @@ TINY_FAMILIES = {
     # DeepSeek-V3: MLA as V2 (interleaved RoPE), sigmoid router with a correction bias; layer 0
     # dense, layer 1 MoE. No router aux loss in Hugging Face's model.
     "deepseek_v3": (
-        T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
         dict(
             q_lora_rank=pick(cpu=16, gpu=384), kv_lora_rank=pick(cpu=16, gpu=256),
             qk_nope_head_dim=pick(cpu=8, gpu=64), qk_rope_head_dim=pick(cpu=8, gpu=32),
@@ -170,7 +170,7 @@ TINY_FAMILIES = {
     # entries (top-k), so its own weights get no gradient from the loss. 4 hyper-connection
     # streams carry the residual. Hugging Face ships it eager-only (the sinks).
     "deepseek_v4": (
-        T.DeepseekV4Config, T.DeepseekV4ForCausalLM,
+        "DeepseekV4Config", "DeepseekV4ForCausalLM",
         dict(
             num_key_value_heads=1, head_dim=pick(cpu=16, gpu=128), q_lora_rank=pick(cpu=16, gpu=384),
             o_groups=2, o_lora_rank=pick(cpu=16, gpu=256), partial_rotary_factor=0.5,
@@ -184,7 +184,7 @@ TINY_FAMILIES = {
     ),
     # EXAONE 4: QK-norm, post-norms (no pre-norms), layer 0 sliding-window, layer 1 global (NoPE).
     "exaone4": (
-        T.Exaone4Config, T.Exaone4ForCausalLM,
+        "Exaone4Config", "Exaone4ForCausalLM",
         dict(sliding_window=_SLIDING, layer_types=["sliding_attention", "full_attention"]),
     ),
     # Falcon-H1: every layer is a parallel hybrid, attention and a Mamba-2 mixer side by side;
@@ -193,7 +193,7 @@ TINY_FAMILIES = {
     # the model. Embeddings, keys, the MLP's gate input and output and the logits are scaled by
     # config multipliers, all 1.0 by default: set to other values here so that they count.
     "falcon_h1": (
-        T.FalconH1Config, T.FalconH1ForCausalLM,
+        "FalconH1Config", "FalconH1ForCausalLM",
         dict(
             mamba_d_ssm=pick(cpu=64, gpu=2048), mamba_n_heads=pick(cpu=8, gpu=32), mamba_d_head=pick(cpu=8, gpu=64),
             mamba_d_state=pick(cpu=16, gpu=128), mamba_n_groups=1, mamba_chunk_size=pick(cpu=8, gpu=128),
@@ -203,31 +203,31 @@ TINY_FAMILIES = {
     ),
     # Gemma 4 text: layer 0 sliding window, layer 1 global (wider heads, proportional partial
     # RoPE), per-layer input embeddings (PLE), QK- and V-norms, sandwich norms.
-    "gemma4_text": (T.Gemma4TextConfig, T.Gemma4ForCausalLM, _GEMMA4_TEXT),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", _GEMMA4_TEXT),
     # GLM-4: partial rotary (half of each head, interleaved pairs), post-attention and post-MLP
     # norms, fused gate_up MLP.
-    "glm4": (T.Glm4Config, T.Glm4ForCausalLM, dict(head_dim=_HEAD_DIM)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=_HEAD_DIM)),
     # Hunyuan dense: QK-norm after RoPE (query_layernorm / key_layernorm).
-    "hunyuan_v1_dense": (T.HunYuanDenseV1Config, T.HunYuanDenseV1ForCausalLM, dict(head_dim=_HEAD_DIM)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=_HEAD_DIM)),
     # Ministral: every layer sliding-window by default.
-    "ministral": (T.MinistralConfig, T.MinistralForCausalLM, dict(head_dim=_HEAD_DIM, sliding_window=_SLIDING)),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", dict(head_dim=_HEAD_DIM, sliding_window=_SLIDING)),
     # Nemotron: LayerNorm1P (weight + 1, with bias), a non-gated relu² MLP, partial rotary (half).
-    "nemotron": (T.NemotronConfig, T.NemotronForCausalLM, dict(head_dim=_HEAD_DIM)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", dict(head_dim=_HEAD_DIM)),
     # OLMo 3: QK-norm over the whole projection, post-norms; layer 0 sliding, layer 1 global.
     "olmo3": (
-        T.Olmo3Config, T.Olmo3ForCausalLM,
+        "Olmo3Config", "Olmo3ForCausalLM",
         dict(sliding_window=_SLIDING, layer_types=["sliding_attention", "full_attention"]),
     ),
     # Qwen3.5 text (model_type "qwen3_5_text"): layer 0 Gated DeltaNet linear attention (torch
     # fallback for the causal conv1d and the chunked delta rule without fla / causal_conv1d),
     # layer 1 gated full attention with partial (1/4) multimodal RoPE; Gemma-style (1 + weight)
     # RMSNorm, RMSNormGated inside the linear attention.
-    "qwen3_5_text": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, _QWEN3_5_TEXT),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _QWEN3_5_TEXT),
     # Qwen3-Next is a MoE (the only dense layer is the one put in mlp_only_layers): layer 0 Gated
     # DeltaNet linear attention (torch fallback) with a dense MLP, layer 1 gated full attention
     # with a sparse MoE block (4 experts, top-2, a gated shared expert). Gemma-style RMSNorm.
     "qwen3_next": (
-        T.Qwen3NextConfig, T.Qwen3NextForCausalLM,
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
         dict(
             head_dim=pick(cpu=32, gpu=256), layer_types=["linear_attention", "full_attention"],
             linear_key_head_dim=pick(cpu=8, gpu=64), linear_value_head_dim=pick(cpu=8, gpu=64),
@@ -237,12 +237,12 @@ TINY_FAMILIES = {
         ),
     ),
     # SmolLM3: layer 1 is NoPE (no_rope_layer_interval=2 gives no_rope_layers [1, 0]).
-    "smollm3": (T.SmolLM3Config, T.SmolLM3ForCausalLM, dict(no_rope_layer_interval=2)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2)),
     # ---- MoE text ---------------------------------------------------------------------------
     # GLM-4.5 (glm4_moe): layer 0 dense, layer 1 MoE (sigmoid router, 4 experts, top-2, one
     # shared expert); partial rotary (half). No router aux loss in Hugging Face's model.
     "glm4_moe": (
-        T.Glm4MoeConfig, T.Glm4MoeForCausalLM,
+        "Glm4MoeConfig", "Glm4MoeForCausalLM",
         dict(
             head_dim=_HEAD_DIM, n_routed_experts=_EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
             n_group=1, topk_group=1, moe_intermediate_size=_MOE_INTER, first_k_dense_replace=1,
@@ -251,7 +251,7 @@ TINY_FAMILIES = {
     # gpt-oss: MoE in every layer (no dense option), experts with biases and a clamped SwiGLU;
     # attention sinks (eager), layer 0 sliding, layer 1 global, YaRN RoPE.
     "gpt_oss": (
-        T.GptOssConfig, T.GptOssForCausalLM,
+        "GptOssConfig", "GptOssForCausalLM",
         dict(
             head_dim=_HEAD_DIM, num_local_experts=_EXPERTS, sliding_window=_SLIDING,
             layer_types=["sliding_attention", "full_attention"], attn_implementation="eager", **_MOE,
@@ -260,13 +260,13 @@ TINY_FAMILIES = {
     # Hunyuan MoE: MoE in every layer (4 experts, top-2) plus a shared MLP; QK-norm. No router
     # aux loss in Hugging Face's model.
     "hunyuan_v1_moe": (
-        T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM,
+        "HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",
         dict(head_dim=_HEAD_DIM, num_experts=_EXPERTS, moe_topk=2),
     ),
     # Qwen3.5-MoE text (model_type "qwen3_5_moe_text"): as qwen3_5_text, with a sparse MoE block
     # in every layer (no dense-layer option): 4 experts, top-2, gated shared expert.
     "qwen3_5_moe_text": (
-        T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM,
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
         dict(
             _QWEN3_5_TEXT, num_experts=_EXPERTS, moe_intermediate_size=_MOE_INTER,
             shared_expert_intermediate_size=_MOE_INTER, **_MOE,
@@ -277,7 +277,7 @@ TINY_FAMILIES = {
     # (mm_tokens_per_image), RMS-normalises them (Gemma3RMSNorm) and projects them. Images are
     # wrapped in boi / eoi tokens and attend to each other bidirectionally (token_type_ids).
     "gemma3": (
-        T.Gemma3Config, T.Gemma3ForConditionalGeneration,
+        "Gemma3Config", "Gemma3ForConditionalGeneration",
         dict(
             text_config=_text(
                 head_dim=_HEAD_DIM, query_pre_attn_scalar=_HEAD_DIM, sliding_window=_SLIDING,
@@ -291,7 +291,7 @@ TINY_FAMILIES = {
     # Gemma 4: its own vision tower (2-D RoPE, QK-norms, gated MLP, pre/post norms), patches
     # pooled 3x3 into soft tokens; the text model as gemma4_text. No audio tower.
     "gemma4": (
-        T.Gemma4Config, T.Gemma4ForConditionalGeneration,
+        "Gemma4Config", "Gemma4ForConditionalGeneration",
         dict(
             text_config=_text(**_GEMMA4_TEXT),
             vision_config=dict(
@@ -307,7 +307,7 @@ TINY_FAMILIES = {
     # vision tower with RMSNorm, SwiGLU MLP, 2-D RoPE and interpolated position embeddings,
     # 2x2 patch merger.
     "glm4v": (
-        T.Glm4vConfig, T.Glm4vForConditionalGeneration,
+        "Glm4vConfig", "Glm4vForConditionalGeneration",
         dict(
             text_config=_text(**_VL_TEXT, rope_parameters=_GLM4V_ROPE),
             vision_config=_glm4v_vision(),
@@ -319,7 +319,7 @@ TINY_FAMILIES = {
     # (4 experts, top-2, shared expert). Its router aux loss is added only when the forward is
     # given output_router_logits=True (tiny_family_batch passes it).
     "glm4v_moe": (
-        T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration,
+        "Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration",
         dict(
             text_config=_text(
                 **_VL_TEXT, rope_parameters=_GLM4V_ROPE,
@@ -334,7 +334,7 @@ TINY_FAMILIES = {
     # InternVL 3: InternViT tower (LayerNorm, layer scale, CLS token dropped), pixel shuffle 0.5
     # (4x4 patches -> 2x2 tokens), LayerNorm + MLP projector, Qwen2 text model.
     "internvl": (
-        T.InternVLConfig, T.InternVLForConditionalGeneration,
+        "InternVLConfig", "InternVLForConditionalGeneration",
         dict(
             text_config=_text(model_type="qwen2"),
             vision_config=dict(
@@ -349,7 +349,7 @@ TINY_FAMILIES = {
     # attention in layer 1, QK L2-norm. Vision tower: LayerNorm, GELU MLP, 2-D RoPE, pixel
     # shuffle 0.5 then an MLP. No router aux loss in Hugging Face's model.
     "llama4": (
-        T.Llama4Config, T.Llama4ForConditionalGeneration,
+        "Llama4Config", "Llama4ForConditionalGeneration",
         dict(
             text_config=_text(
                 head_dim=_HEAD_DIM, intermediate_size=_MOE_INTER, intermediate_size_mlp=_COMMON["intermediate_size"],
@@ -368,7 +368,7 @@ TINY_FAMILIES = {
     # (vision_feature_layer=-2: the last CLIP layer and post_layernorm get no gradient, as in the
     # real model), CLS dropped, 2x2 patches -> 4 tokens, GELU MLP projector, Llama text model.
     "llava": (
-        T.LlavaConfig, T.LlavaForConditionalGeneration,
+        "LlavaConfig", "LlavaForConditionalGeneration",
         dict(
             text_config=_text(model_type="llama"),
             vision_config=dict(_CLIP, image_size=_GRID // 2 * 14, patch_size=14),
@@ -379,7 +379,7 @@ TINY_FAMILIES = {
     # variable image sizes through image_sizes), RMSNorm + 2x2 patch merger + MLP projector,
     # Mistral text model.
     "mistral3": (
-        T.Mistral3Config, T.Mistral3ForConditionalGeneration,
+        "Mistral3Config", "Mistral3ForConditionalGeneration",
         dict(
             text_config=_text(model_type="mistral", head_dim=_HEAD_DIM, sliding_window=None),
             vision_config=dict(_PIXTRAL, image_size=_GRID * 14),
@@ -391,7 +391,7 @@ TINY_FAMILIES = {
     # the text model is a gated cross-attention layer reading them (cross_attention_mask); layer 0
     # is self-attention. Without images the cross-attention layer is skipped.
     "mllama": (
-        T.MllamaConfig, T.MllamaForConditionalGeneration,
+        "MllamaConfig", "MllamaForConditionalGeneration",
         dict(
             text_config=_text(cross_attention_layers=[1]),
             vision_config=dict(
@@ -408,7 +408,7 @@ TINY_FAMILIES = {
     # unweighted RMSNorm; the text model has QK-norm, sandwich norms, layer 0 sliding with RoPE,
     # layer 1 global NoPE, and tanh-softcapped, scaled logits.
     "muse_glimmer": (
-        T.MuseGlimmerConfig, T.MuseGlimmerForConditionalGeneration,
+        "MuseGlimmerConfig", "MuseGlimmerForConditionalGeneration",
         dict(
             # The logits are scaled by output_multiplier (0.196) before the cap: a cap of 0.05
             # (20 in the released model) makes the tiny model's logits really capped.
@@ -426,7 +426,7 @@ TINY_FAMILIES = {
     # model; the image and the prompt form a bidirectional prefix (token_type_ids 0), the answer
     # (token_type_ids 1) is causal.
     "paligemma": (
-        T.PaliGemmaConfig, T.PaliGemmaForConditionalGeneration,
+        "PaliGemmaConfig", "PaliGemmaForConditionalGeneration",
         dict(
             text_config=_text(model_type="gemma", head_dim=_HEAD_DIM),
             vision_config=dict(
@@ -440,7 +440,7 @@ TINY_FAMILIES = {
     # vision tower, read at its last layer with every patch kept ("full"), and a Mistral text
     # model; keyed "pixtral" here because PixtralVisionModel itself has no language-model head.
     "pixtral": (
-        T.LlavaConfig, T.LlavaForConditionalGeneration,
+        "LlavaConfig", "LlavaForConditionalGeneration",
         dict(
             text_config=_text(model_type="mistral", head_dim=_HEAD_DIM, sliding_window=None),
             vision_config=dict(_PIXTRAL, image_size=_GRID // 2 * 14),
@@ -451,7 +451,7 @@ TINY_FAMILIES = {
     # Qwen2-VL: vision tower of LayerNorm / quick-GELU MLP blocks with 2-D RoPE, a 2x2 patch
     # merger (LayerNorm + MLP); Qwen2 text with multimodal RoPE (mrope_section over t, h, w).
     "qwen2_vl": (
-        T.Qwen2VLConfig, T.Qwen2VLForConditionalGeneration,
+        "Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
         dict(
             text_config=_text(**_QWEN2_VL_TEXT),
             vision_config=dict(
@@ -464,7 +464,7 @@ TINY_FAMILIES = {
     # Qwen2.5-VL: vision tower with RMSNorm and SwiGLU MLP, window attention in layer 0 and full
     # attention in layer 1 (fullatt_block_indexes), RMSNorm + MLP patch merger; text as Qwen2-VL.
     "qwen2_5_vl": (
-        T.Qwen2_5_VLConfig, T.Qwen2_5_VLForConditionalGeneration,
+        "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
         dict(
             text_config=_text(**_QWEN2_VL_TEXT),
             vision_config=dict(
@@ -479,7 +479,7 @@ TINY_FAMILIES = {
     # position embeddings, DeepStack (layer 0's merged features are added to the text model's
     # first layers), patch 16; Qwen3 text (QK-norm) with interleaved multimodal RoPE.
     "qwen3_vl": (
-        T.Qwen3VLConfig, T.Qwen3VLForConditionalGeneration,
+        "Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
         dict(
             text_config=_text(**_QWEN3_VL_TEXT), vision_config=_qwen3_vision(deepstack_visual_indexes=[0]),
             **_QWEN_IDS,
@@ -489,7 +489,7 @@ TINY_FAMILIES = {
     # top-2, no shared expert). Its router aux loss is added only when the forward is given
     # output_router_logits=True (tiny_family_batch passes it).
     "qwen3_vl_moe": (
-        T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration,
+        "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
         dict(
             text_config=_text(
                 **_QWEN3_VL_TEXT, num_experts=_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=_MOE_INTER,
@@ -502,14 +502,14 @@ TINY_FAMILIES = {
     # Qwen3.5: the qwen3_5_text model (linear attention + gated full attention, torch fallbacks
     # on the CPU) behind a Qwen3-VL-style vision tower without DeepStack.
     "qwen3_5": (
-        T.Qwen3_5Config, T.Qwen3_5ForConditionalGeneration,
+        "Qwen3_5Config", "Qwen3_5ForConditionalGeneration",
         dict(text_config=_text(**_QWEN3_5_TEXT), vision_config=_qwen3_vision(), **_QWEN_IDS),
     ),
     # Qwen3.5-MoE: as qwen3_5 with the qwen3_5_moe_text model (MoE in every layer). Its router aux
     # loss is added only when the forward is given output_router_logits=True (tiny_family_batch
     # passes it).
     "qwen3_5_moe": (
-        T.Qwen3_5MoeConfig, T.Qwen3_5MoeForConditionalGeneration,
+        "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
         dict(
             text_config=_text(
                 **_QWEN3_5_TEXT, num_experts=_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=_MOE_INTER,
@@ -522,7 +522,7 @@ TINY_FAMILIES = {
     # SmolVLM: SigLIP-like (Idefics3) vision tower (LayerNorm, GELU MLP), 2x2 pixel shuffle and a
     # linear connector, its default Llama text model; pixel_values are [batch, images, C, H, W].
     "smolvlm": (
-        T.SmolVLMConfig, T.SmolVLMForConditionalGeneration,
+        "SmolVLMConfig", "SmolVLMForConditionalGeneration",
         dict(
             text_config=_text(model_type="llama"),
             vision_config=dict(_SIGLIP, image_size=_GRID * 14, patch_size=14),
@@ -544,11 +544,11 @@ def _merge(base: dict, options: dict) -> dict:
 
 
 def tiny_family_config(model_type: str, **options):
-    config_class, _, family_options = TINY_FAMILIES[model_type]
+    config_name, _, family_options = TINY_FAMILIES[model_type]
     merged = _merge(family_options, options)
     if "text_config" not in merged:  # a text family: _COMMON at the top level
         merged = {**_COMMON, **merged}
-    return config_class(**merged)
+    return getattr(transformers, config_name)(**merged)
 
 
 # Hugging Face initialises a few weights on the image path to zero (trained checkpoints have them
@@ -572,10 +572,10 @@ _OPEN_IMAGE_PATH = {"gemma3": _open_gemma3, "mllama": _open_mllama}
 
 def tiny_family_model(model_type: str, seed: int = 0, **options):
     """A freshly initialised fp32 model on ``DEVICE``; the same ``seed`` gives the same weights."""
-    _, model_class, _ = TINY_FAMILIES[model_type]
+    _, model_name, _ = TINY_FAMILIES[model_type]
     config = tiny_family_config(model_type, **options)
     torch.manual_seed(seed)
-    model = model_class(config)
+    model = getattr(transformers, model_name)(config)
     if model_type in _OPEN_IMAGE_PATH:
         with torch.no_grad():
             _OPEN_IMAGE_PATH[model_type](model)

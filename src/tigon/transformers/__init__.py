@@ -16,14 +16,39 @@ Each family is a row of :data:`tigon.transformers.families.FAMILIES`; the loss p
 causal LMs is :mod:`tigon.transformers.causal_lm`. Importing this package registers tigon's fused
 MoE experts as transformers' ``experts_implementation="tigon"`` (:mod:`tigon.transformers.moe`),
 which the patchers set on the MoE families' models. :func:`fit_checkpointing` spends the memory
-tigon frees on less recomputation (:mod:`tigon.transformers.checkpointing`). Tested with
-transformers 5.17.
+tigon frees on less recomputation (:mod:`tigon.transformers.checkpointing`).
+
+Supported and tested: transformers 5.6 to 5.24 (:data:`~tigon.transformers.families.SUPPORTED_RANGE`,
+``>=5.6,<5.25``); importing this package with another raises ``ImportError``. Where a supported
+version lacks a piece of a family's row, patching leaves that piece to Hugging Face and says so
+(:class:`~tigon.transformers.patching.MissingInTransformersWarning`).
 """
 
 from __future__ import annotations
 
 import difflib
 from typing import TYPE_CHECKING, Any, Protocol, overload
+
+import transformers
+from packaging.version import Version
+
+from tigon.transformers.families import SUPPORTED_RANGE, SUPPORTED_VERSIONS
+
+
+def check_transformers_version(version: str) -> None:
+    """Raise ``ImportError`` unless ``version`` (a transformers release) is in
+    :data:`~tigon.transformers.families.SUPPORTED_RANGE`, whose classes and functions the
+    families table names; a pre-release counts as its release."""
+    oldest, first_unsupported = SUPPORTED_VERSIONS
+    if not oldest <= Version(version).release[:2] < first_unsupported:
+        raise ImportError(
+            f"tigon.transformers supports transformers {SUPPORTED_RANGE}, but transformers {version} is installed: "
+            f'pip install "transformers{SUPPORTED_RANGE}"'
+        )
+
+
+# Before anything of transformers' internals is imported: an older one lacks some of them.
+check_transformers_version(transformers.__version__)
 
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
@@ -40,6 +65,7 @@ from tigon.transformers.kernel_hub import export_kernels, kernel_config
 from tigon.transformers.layers import check_tile_tokens, set_mlp_tiling
 from tigon.transformers.patching import (
     FLAG_DEFAULTS,
+    MissingInTransformersWarning,
     ModelT,
     base_model,
     check_flags,
@@ -86,6 +112,7 @@ __all__ = [
     "Experts",
     "FAMILIES",
     "Family",
+    "MissingInTransformersWarning",
     "Mlp",
     "Norm",
     "PATCHERS",

@@ -46,22 +46,31 @@ import torch
 from tigon import functional as F
 from tigon.transformers.families import Family
 
-def wrap_causal_lm_forward(forward, family: Family, loss: str):
-    """``forward`` (a ``...ForCausalLM.forward``, unbound) with tigon's ``loss``
-    (``"fused_linear_cross_entropy"`` or ``"cross_entropy"``) in training. The result keeps the
-    signature (the Trainer reads it to pass ``num_items_in_batch``) and is marked so that patching
-    twice wraps the original again, not the wrapper."""
-    forward = getattr(forward, "tigon_wraps", forward)
-    signature = inspect.signature(forward)
-    extra_kwargs = next(
+def _extra_kwargs(signature: inspect.Signature) -> str | None:
+    """The name of ``signature``'s ``**kwargs``, or ``None``."""
+    return next(
         (name for name, param in signature.parameters.items() if param.kind is inspect.Parameter.VAR_KEYWORD), None
     )
-    if "labels" not in signature.parameters or extra_kwargs is None:
-        raise TypeError(
-            f"tigon: {family.head}.forward{signature} takes no `labels` or no **kwargs; "
-            "this transformers version is not supported by tigon's loss patch: pass "
-            "fused_linear_cross_entropy=False, cross_entropy=False"
-        )
+
+
+def unwrappable_forward(forward) -> str | None:
+    """Why tigon's loss cannot wrap ``forward`` (a head class's, unbound): a signature without
+    ``labels`` or ``**kwargs``, which the wrapper reads and passes on; ``None`` when it can."""
+    forward = getattr(forward, "tigon_wraps", forward)
+    signature = inspect.signature(forward)
+    if "labels" in signature.parameters and _extra_kwargs(signature) is not None:
+        return None
+    return f"declares {forward.__qualname__}{signature}, without labels or **kwargs"
+
+
+def wrap_causal_lm_forward(forward, family: Family, loss: str):
+    """``forward`` (a ``...ForCausalLM.forward``, unbound, which :func:`unwrappable_forward`
+    accepts) with tigon's ``loss`` (``"fused_linear_cross_entropy"`` or ``"cross_entropy"``) in
+    training. The result keeps the signature (the Trainer reads it to pass ``num_items_in_batch``)
+    and is marked so that patching twice wraps the original again, not the wrapper."""
+    forward = getattr(forward, "tigon_wraps", forward)
+    signature = inspect.signature(forward)
+    extra_kwargs = _extra_kwargs(signature)
 
     @functools.wraps(forward)
     def tigon_forward(self, *args, **kwargs):

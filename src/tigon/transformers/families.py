@@ -10,13 +10,23 @@ wrapper are shared by all; adding a family is adding a row.
 
 Vision-language models are composed: a row patches the layers of its own module, and a model
 patched by it has every sub-model whose ``config.model_type`` has a row of its own (Llava's
-language model, Mistral 3's Pixtral vision tower) patched by that row as well. Written against
-transformers 5.17.
+language model, Mistral 3's Pixtral vision tower) patched by that row as well.
+
+The table holds for every transformers of :data:`SUPPORTED_RANGE`. A piece of a row that a
+supported version lacks (a family newer than it, a class it names otherwise, a rotary function of
+another signature) is left unpatched with a warning when a patch is applied
+(:class:`tigon.transformers.patching.MissingInTransformersWarning`); a class renamed between
+supported versions is a row's ``former_names``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The transformers releases the table is tested with: 5.6 (LLaMA-Factory 0.9.5's newest) to 5.24,
+# as (major, minor) bounds, the upper one excluded, and as a pip specifier.
+SUPPORTED_VERSIONS = ((5, 6), (5, 25))
+SUPPORTED_RANGE = ">=5.6,<5.25"
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,12 @@ class Experts:
 
     Attributes:
         name: the class in the family's modeling module.
+        former_names: its names in older transformers of the supported range (DeepSeek V3's
+            ``DeepseekV3NaiveMoe`` in 5.6), tried in turn when ``name`` is missing.
     """
 
     name: str
+    former_names: tuple[str, ...] = ()
     flag = "experts"
 
 
@@ -240,7 +253,7 @@ FAMILIES: dict[str, Family] = {
             "deepseek_v3", _module("deepseek_v3"), "DeepseekV3ForCausalLM", norms=(Norm("DeepseekV3RMSNorm"),),
             mlps=(Mlp("DeepseekV3MLP"),),
             ropes=(Rope(), Rope("apply_rotary_pos_emb_interleave", form="deepseek_interleave")),
-            experts=(Experts("DeepseekV3Experts"),),
+            experts=(Experts("DeepseekV3Experts", former_names=("DeepseekV3NaiveMoe",)),),
         ),
         # DeepSeek V4's MLP and experts clamp gate and up before SiLU: not patched.
         Family(
@@ -256,7 +269,9 @@ FAMILIES: dict[str, Family] = {
             experts=(Experts("MixtralExperts"),), **_ROUTER_LOSS,
         ),
         _llama_like("qwen3_moe", "Qwen3Moe", experts=(Experts("Qwen3MoeExperts"),), **_ROUTER_LOSS),
-        _llama_like("glm4_moe", "Glm4Moe", experts=(Experts("Glm4MoeExperts"),)),
+        _llama_like(
+            "glm4_moe", "Glm4Moe", experts=(Experts("Glm4MoeExperts", former_names=("Glm4MoeNaiveMoe",)),),
+        ),
         _llama_like("hunyuan_v1_moe", "HunYuanMoEV1", experts=(Experts("HunYuanMoEV1Experts"),)),
         Family(
             "qwen3_5_moe_text", _module("qwen3_5_moe"), "Qwen3_5MoeForCausalLM",
@@ -349,7 +364,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             "glm4v_moe", _module("glm4v_moe"), "Glm4vMoeForConditionalGeneration",
             norms=(Norm("Glm4vMoeTextRMSNorm"), Norm("Glm4vMoeRMSNorm")),
-            mlps=(Mlp("Glm4vMoeTextMLP"), Mlp("Glm4vMoeisionMlp")), experts=(Experts("Glm4vMoeTextExperts"),),
+            mlps=(Mlp("Glm4vMoeTextMLP"), Mlp("Glm4vMoeisionMlp")),
+            experts=(Experts("Glm4vMoeTextExperts", former_names=("Glm4vMoeTextNaiveMoe",)),),
             **_ROUTER_LOSS,
         ),
     )

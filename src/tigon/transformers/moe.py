@@ -1,8 +1,8 @@
 """tigon as transformers' experts implementation ``"tigon"``: MoE experts by one fused kernel.
 
-transformers 5.17 runs the experts of a mixture-of-experts layer through the class decorator
-``use_experts_implementation``: the decorated class's ``forward(hidden_states [T, H], top_k_index
-[T, k], top_k_weights [T, k])`` calls the function that ``ALL_EXPERTS_FUNCTIONS`` holds under the
+transformers (5.6 and newer) runs the experts of a mixture-of-experts layer through the class
+decorator ``use_experts_implementation``: the decorated class's ``forward(hidden_states [T, H],
+top_k_index [T, k], top_k_weights [T, k])`` calls the function that ``ALL_EXPERTS_FUNCTIONS`` holds under the
 module's ``config._experts_implementation`` (``"grouped_mm"`` by default). Importing
 :mod:`tigon.transformers` registers :func:`experts_forward` there as ``"tigon"`` (:func:`register`),
 which computes the experts by :func:`tigon.functional.moe_experts`; then::
@@ -10,14 +10,17 @@ which computes the experts by :func:`tigon.functional.moe_experts`; then::
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="tigon")
     model.set_experts_implementation("tigon")             # or on a model already built
 
+(transformers 5.7 and newer; 5.6 takes only its own implementations by name, and gets tigon's by
+``apply_tigon`` or ``model.config._experts_implementation = "tigon"``),
+
 and :func:`~tigon.transformers.apply_tigon` sets it on the models of every family whose row of
 the table lists its experts class (:class:`~tigon.transformers.families.Experts`; flag
 ``experts``, on by default).
 
 The kernel reads the module as transformers' ``grouped_mm`` does: ``gate_up_proj`` and
 ``down_proj`` (and, with ``has_bias``, ``gate_up_proj_bias`` and ``down_proj_bias``) in the layout
-the decorator declares (``is_transposed``, ``is_concatenated``), and the gate of the class's
-``_apply_gate``, which it computes exactly for:
+the decorator declares (``is_transposed``; from transformers 5.7 also ``is_concatenated``, which
+5.6 leaves to the gate), and the gate of the class's ``_apply_gate``, which it computes exactly for:
 
 - transformers' default gate, ``act_fn(gate) · up`` over ``[gate | up]`` columns, with a SiLU
   (``"swiglu"``) or tanh-GELU (``"geglu"``) ``act_fn``;
@@ -98,11 +101,12 @@ def experts_kernel(experts) -> dict:
             f"its gate is its own ({apply_gate.__qualname__}), where the kernel computes transformers' default "
             f"act_fn(gate) * up and GPT-OSS's clamped SwiGLU"
         )
-    if experts.is_concatenated == kernel["interleaved"]:
+    # transformers declares the columns' layout (is_concatenated) from 5.7 on, for kernels that read
+    # the weights without the gate; up to 5.6 the gate alone says which columns it reads.
+    declared = getattr(experts, "is_concatenated", None)
+    if declared is not None and declared == kernel["interleaved"]:
         columns = "interleaved" if kernel["interleaved"] else "concatenated"
-        raise refuse(
-            f"its gate reads {columns} gate and up columns, but it declares is_concatenated={experts.is_concatenated}"
-        )
+        raise refuse(f"its gate reads {columns} gate and up columns, but it declares is_concatenated={declared}")
     return kernel
 
 

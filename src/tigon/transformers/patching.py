@@ -34,6 +34,7 @@ import importlib
 import inspect
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,8 +45,14 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from tigon.transformers import layers, moe
-from tigon.transformers.causal_lm import hook_head_loss, output_embeddings, unhook_head_loss, wrap_causal_lm_forward
-from tigon.transformers.families import FAMILIES, Family, Norm
+from tigon.transformers.causal_lm import (
+    hook_head_loss,
+    output_embeddings,
+    unhook_head_loss,
+    unwrappable_forward,
+    wrap_causal_lm_forward,
+)
+from tigon.transformers.families import FAMILIES, SUPPORTED_RANGE, Family, Norm
 from tigon.transformers.lora import patch_peft, unpatch_peft
 
 _DERIVED: dict[tuple[type, type], type] = {}
@@ -96,32 +103,58 @@ def tigon_class(original: type, mixin: type, **settings) -> type:
     return _DERIVED[original, mixin]
 
 
-def _modeling_module(family: Family):
+class MissingInTransformersWarning(UserWarning):
+    """A piece of a family's row (its modeling module, a class, a function or a signature) that the
+    installed transformers lacks or has changed: that piece is left as Hugging Face wrote it, the
+    rest of the row is patched."""
+
+
+def _warn_missing(family: Family, piece: str, unpatched: str, flag: str | None) -> None:
+    silence = f"; pass {flag}=False to patch without it" if flag else ""
+    warnings.warn(
+        f"tigon: {family.model_type!r} models keep Hugging Face's {unpatched}: transformers "
+        f"{transformers.__version__} {piece} (tigon supports transformers {SUPPORTED_RANGE}){silence}",
+        MissingInTransformersWarning,
+        stacklevel=3,
+    )
+
+
+def modeling_module(family: Family):
+    """``family``'s modeling module, or ``None`` where the installed transformers has no such
+    module (a family newer than it)."""
     try:
         return importlib.import_module(family.module)
-    except ImportError as error:
+    except ModuleNotFoundError as error:
+        if error.name is not None and family.module.startswith(error.name):
+            return None
         raise ImportError(
             f"tigon: cannot import {family.module} for {family.model_type!r} models "
             f"(transformers {transformers.__version__}): {error}"
         ) from error
 
 
-def _lookup(module, name: str, what: str, flag: str):
-    if "." in name:  # a class of another library, e.g. torch.nn.LayerNorm
-        owner, _, attribute = name.rpartition(".")
-        module = importlib.import_module(owner)
-        name = attribute
-    found = getattr(module, name, None)
-    if found is None:
-        raise AttributeError(
-            f"tigon: {module.__name__} has no {name!r} ({what}) in transformers {transformers.__version__}; "
-            f"tigon's patch table was written for 5.17. Pass {flag}=False to skip this patch."
-        )
-    return found
+def _lookup(family: Family, module, names: tuple[str, ...], what: str, flag: str | None):
+    """The first of ``names`` (a class or function, the current name first, then former ones) in
+    ``module``, or ``None`` with a :class:`MissingInTransformersWarning`. A dotted name is a class
+    of another library (``torch.nn.LayerNorm``)."""
+    for name in names:
+        owner, dot, attribute = name.rpartition(".")
+        found = getattr(importlib.import_module(owner) if dot else module, attribute, None)
+        if found is not None:
+            return found
+    _warn_missing(family, f"has no {' or '.join(names)} in {module.__name__}", f"{what} ({names[0]})", flag)
+    return None
+
+
+def _parameter_names(function) -> list[str]:
+    """The parameters of a rotary function; the kernels hub wraps one in a weightless module whose
+    ``forward`` carries its signature."""
+    return list(inspect.signature(function.forward if isinstance(function, nn.Module) else function).parameters)
 
 
 def _class_patches(family: Family, module, flags: dict[str, bool]):
-    """``(sub-row, original class, tigon class)`` for each enabled norm and MLP of ``family``."""
+    """``(sub-row, original class, tigon class)`` for each enabled norm and MLP of ``family`` that
+    the installed transformers has."""
     patches = []
     for row in (*family.norms, *family.mlps):
         if not flags[row.flag]:
@@ -131,29 +164,46 @@ def _class_patches(family: Family, module, flags: dict[str, bool]):
             settings = dict(eps_attribute=row.eps, offset=row.offset, casting_mode=row.casting)
         else:
             mixin, settings = layers.MLP_LAYOUTS[row.layout], dict(gate=row.gate)
-        found = _lookup(module, row.name, f"{type(row).__name__.lower()} class", row.flag)
+        found = _lookup(family, module, (row.name,), f"{type(row).__name__.lower()} class", row.flag)
+        if found is None:
+            continue
         original = getattr(found, "tigon_replaces", found)  # the module may hold tigon's class already
         patches.append((row, original, tigon_class(original, mixin, **settings)))
     return patches
 
 
 def _rope_patches(family: Family, module, flags: dict[str, bool]):
-    """``(name in module, tigon's drop-in)`` for each rotary function of ``family``."""
+    """``(name in module, tigon's drop-in)`` for each rotary function of ``family`` that the
+    installed transformers has with the signature of tigon's drop-in."""
     if not flags["rope"]:
         return []
     patches = []
     for row in family.ropes:
-        _lookup(module, row.name, "rotary function", "rope")
-        patches.append((row.name, layers.ROPE_FORMS[row.form]))
+        function = _lookup(family, module, (row.name,), "rotary function", "rope")
+        drop_in = layers.ROPE_FORMS[row.form]
+        if function is None:
+            continue
+        if function is not drop_in:
+            expected, parameters = _parameter_names(drop_in), _parameter_names(function)
+            if parameters != expected:
+                _warn_missing(
+                    family, f"declares {module.__name__}.{row.name}({', '.join(parameters)})",
+                    f"rotary function ({row.name}), as tigon's takes ({', '.join(expected)})", "rope",
+                )
+                continue
+        patches.append((row.name, drop_in))
     return patches
 
 
 def _experts_classes(family: Family, module, flags: dict[str, bool]) -> list[type]:
-    """The experts classes of ``family`` (as Hugging Face wrote them), where the flag is on."""
+    """The experts classes of ``family`` (as Hugging Face wrote them) that the installed
+    transformers has, where the flag is on."""
     if not flags["experts"]:
         return []
-    found = [_lookup(module, row.name, "experts class", row.flag) for row in family.experts]
-    return [getattr(experts_class, "tigon_replaces", experts_class) for experts_class in found]
+    found = [
+        _lookup(family, module, (row.name, *row.former_names), "experts class", row.flag) for row in family.experts
+    ]
+    return [getattr(experts_class, "tigon_replaces", experts_class) for experts_class in found if experts_class]
 
 
 def _replace_rope(module, name: str, function: Callable) -> None:
@@ -213,7 +263,7 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
     rope_patches = []
     experts_classes = []
     for row_family in families_in(model, family):
-        module = _modeling_module(row_family)
+        module = modeling_module(row_family)
         tigon_of.update((original, tigon) for _, original, tigon in _class_patches(row_family, module, flags))
         rope_patches += [(module, name, function) for name, function in _rope_patches(row_family, module, flags)]
         experts_classes += _experts_classes(row_family, module, flags)
@@ -263,11 +313,16 @@ def apply_family(
             "the fused loss already computes the cross entropy"
         )
     loss = "fused_linear_cross_entropy" if fused_linear_cross_entropy else "cross_entropy" if cross_entropy else None
-    module = _modeling_module(family)
-    class_patches = _class_patches(family, module, flags)
-    rope_patches = _rope_patches(family, module, flags)
-    _experts_classes(family, module, flags)  # a renamed one fails now, not when a model is built
-    head = _lookup(module, family.head, "head class", "fused_linear_cross_entropy") if family.head else None
+    module = modeling_module(family)
+    if module is None:
+        _warn_missing(family, f"has no {family.module}", "classes (nothing to patch)", None)
+        return model
+    head = _lookup(family, module, (family.head,), "head class and loss", loss) if family.head else None
+    if head is not None and loss is not None:
+        problem = unwrappable_forward(head.forward)
+        if problem is not None:
+            _warn_missing(family, problem, "loss", loss)
+            loss = None
 
     if model is not None:
         hf_model = base_model(model)
@@ -284,6 +339,9 @@ def apply_family(
                 hook_head_loss(output_embeddings(hf_model, family))
         return model
 
+    class_patches = _class_patches(family, module, flags)
+    rope_patches = _rope_patches(family, module, flags)
+    _experts_classes(family, module, flags)  # a missing one is said now, not when a model is built
     if lora:
         patch_peft()
     patch = _MODULE_PATCHES.setdefault(family.model_type, ModulePatch())
@@ -312,10 +370,10 @@ def revert_family(family: Family) -> None:
     patch = _MODULE_PATCHES.pop(family.model_type, None)
     if patch is None:
         return
-    module = _modeling_module(family)
+    module = modeling_module(family)
     for name, original in patch.names.items():
         setattr(module, name, original)
-    head = getattr(module, family.head) if family.head else None
+    head = getattr(module, family.head, None) if family.head else None
     for name, method in patch.head_methods.items():
         if method is not None:
             setattr(head, name, method)
