@@ -72,19 +72,21 @@ MISSING_IN = {
     "5.24": {},
 }
 MISSING = MISSING_IN.get(TRANSFORMERS_MINOR, {})
+ON_5_6 = TRANSFORMERS_MINOR == "5.6"
 NOT_INSTALLED = {t for t, family in FAMILIES.items() if patching.modeling_module(family) is None}
 
 
-def family_params(model_types=tuple(FAMILIES), open_cases=None, reason=""):
+def family_params(model_types=tuple(FAMILIES), open_cases=None):
     """``model_types`` sorted: those the installed transformers lacks marked skip, those of
-    ``open_cases`` whose condition holds marked strict-xfail for ``reason``."""
+    ``open_cases`` (model_type -> (condition, reason)) whose condition holds marked strict-xfail."""
     params = []
     for t in sorted(model_types):
         marks = []
         if t in NOT_INSTALLED:
             marks.append(pytest.mark.skip(reason=f"transformers {transformers.__version__} has no {FAMILIES[t].module}"))
         if open_cases and t in open_cases:
-            marks.append(pytest.mark.xfail(open_cases[t], strict=True, reason=reason))
+            condition, reason = open_cases[t]
+            marks.append(pytest.mark.xfail(condition, strict=True, reason=reason))
         params.append(pytest.param(t, marks=marks))
     return params
 
@@ -102,7 +104,7 @@ def assert_uses_tigon(model, model_type):
             assert not any(type(layer) is original for layer in model.modules()), f"{row.name} not patched"
         for row in family.ropes:
             if row.name not in MISSING.get(family.model_type, ()):
-                assert getattr(module, row.name) is layers.ROPE_FORMS[row.form], f"{row.name} not patched"
+                assert getattr(module, row.name) is patching.rope_drop_in(row), f"{row.name} not patched"
     assert any(hasattr(type(layer), "tigon_replaces") for layer in model.modules()), "no layer patched"
     if FAMILIES[model_type].head is not None:
         assert hasattr(model.forward, "tigon_wraps")
@@ -206,8 +208,22 @@ def test_patching_warns_of_each_piece_transformers_lacks(model_type):
 
 # Open, on the H100 only: DeepSeek V4's hyper-connection head's scale gets a gradient 1.8e-5 from
 # the fp64 one, where Hugging Face's fp32 is 6.6e-7 from it (on the CPU both are near 1e-5).
+# Open with transformers 5.6, on the CPU: Gated DeltaNet's decay gradients of Qwen3.5-MoE's tiny
+# models are ill-conditioned, and there Hugging Face's fp32 lands luckily close to fp64, which the
+# ill-conditioned rule does not count (its distance below 1e-6): in_proj_a's is 1.6e-7 from fp64
+# (5.4e-7 in the vision-language model), where moving the weights by one fp32 rounding moves the
+# exact gradient by 5.6e-6 (3.8e-5); tigon's is 1.1e-5 from it, through its RMSNorms or its
+# SwiGLU alone (each rounds once where Hugging Face rounds several times).
+LUCKY_DELTANET = (ON_5_6 and not ON_GPU, "Gated DeltaNet's decay gradient, Hugging Face's fp32 luckily close")
+
+
 @pytest.mark.parametrize(
-    "model_type", family_params(open_cases={"deepseek_v4": ON_GPU}, reason="DeepSeek V4's hc_scale gradient")
+    "model_type",
+    family_params(
+        open_cases={
+            "deepseek_v4": (ON_GPU, "DeepSeek V4's hc_scale gradient"), "qwen3_5_moe_text": LUCKY_DELTANET,
+        }
+    ),
 )
 def test_family_trains_like_plain(model_type):
     batch = batch_of(model_type)
@@ -269,7 +285,12 @@ def assert_bf16_as_close_to_fp32_as_plain(patched, plain, truth):
 # tigon's RoPE or its RMSNorm off, every gradient agrees within 4e-6.
 @pytest.mark.parametrize(
     "model_type",
-    family_params(VISION_LANGUAGE, open_cases={"glm4v_moe": ON_GPU}, reason="GLM-4.5V's text-only embedding gradient"),
+    family_params(
+        VISION_LANGUAGE,
+        open_cases={
+            "glm4v_moe": (ON_GPU, "GLM-4.5V's text-only embedding gradient"), "qwen3_5_moe": LUCKY_DELTANET,
+        },
+    ),
 )
 def test_vision_language_model_text_only(model_type):
     batch = batch_of(model_type, images=False)
@@ -285,11 +306,13 @@ def test_vision_language_model_text_only(model_type):
 # Face's fp32 is 6e-4 from fp64).
 # On the H100 (hidden 1024, vocabulary 32000) Mllama's bf16 vision-tower gate (a scalar, its
 # gradient a sum over the whole tower) lands 0.0215 from fp32, Hugging Face's bf16 0.0034.
-BF16_OPEN = {"deepseek_v4": not ON_GPU, "qwen3_5_text": not ON_GPU, "mllama": ON_GPU}
+# With transformers 5.6 Qwen3.5's tiny model passes (XPASS on the CPU).
+BF16_OPEN = {"deepseek_v4": not ON_GPU, "qwen3_5_text": not ON_GPU and not ON_5_6, "mllama": ON_GPU}
+BF16_REASON = "one bf16 gradient farther from fp32 than HF's"
 
 
 @pytest.mark.parametrize(
-    "model_type", family_params(open_cases=BF16_OPEN, reason="one bf16 gradient farther from fp32 than HF's")
+    "model_type", family_params(open_cases={t: (condition, BF16_REASON) for t, condition in BF16_OPEN.items()})
 )
 def test_family_bf16_as_close_to_fp32_as_plain(model_type):
     batch = batch_of(model_type)

@@ -245,6 +245,12 @@ def test_family_newer_than_transformers_is_said_and_changes_nothing():
     assert "llama9" not in patching._MODULE_PATCHES
 
 
+@pytest.mark.parametrize("version, form", [("5.6.0", "glm"), ("5.16.2", "glm"), ("5.17.0", "glm4v"), ("5.24.0", "glm4v")])
+def test_rotary_function_computed_otherwise_by_an_older_transformers_gets_its_form(version, form):
+    # GLM-4V's apply_rotary_pos_emb took one angle per pair, as GLM-4's, up to 5.16.
+    assert patching.rope_drop_in(FAMILIES["glm4v"].ropes[0], version) is layers.ROPE_FORMS[form]
+
+
 @pytest.mark.parametrize("version", ["5.6.0", "5.17.0", "5.24.0", "5.24.1"])
 def test_supported_transformers_versions_are_accepted(version):
     check_transformers_version(version)

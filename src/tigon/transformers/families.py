@@ -88,10 +88,14 @@ class Rope:
         name: the function in the family's modeling module, called by its attention layers.
         form: the key of :data:`tigon.transformers.layers.ROPE_FORMS`: the function's signature
             and pair layout (``"rotate_half"`` is Llama's ``apply_rotary_pos_emb``).
+        former_forms: ``((last (major, minor), form), ...)``, oldest first: the form of the
+            function up to that transformers release, where an older one computed it otherwise
+            under the same name (GLM-4V's up to 5.16).
     """
 
     name: str = "apply_rotary_pos_emb"
     form: str = "rotate_half"
+    former_forms: tuple[tuple[tuple[int, int], str], ...] = ()
     flag = "rope"
 
 
@@ -356,10 +360,12 @@ FAMILIES: dict[str, Family] = {
             norms=(*_qwen3_next_norms("Qwen3_5Moe"), _TORCH_LAYER_NORM), mlps=(Mlp("Qwen3_5MoeMLP"),),
             experts=(Experts("Qwen3_5MoeExperts"),), **_ROUTER_LOSS,
         ),
-        # GLM-4V rotates interleaved pairs, each feature by its own entry of the table.
+        # GLM-4V rotates interleaved pairs, each feature by its own entry of the table (up to
+        # transformers 5.16 as GLM-4 does, one angle per pair from the table's first half).
         Family(
             "glm4v", _module("glm4v"), "Glm4vForConditionalGeneration", norms=(Norm("Glm4vRMSNorm"),),
-            mlps=(Mlp("Glm4vTextMLP", layout="gate_up"), Mlp("Glm4VisionMlp")), ropes=(Rope(form="glm4v"),),
+            mlps=(Mlp("Glm4vTextMLP", layout="gate_up"), Mlp("Glm4VisionMlp")),
+            ropes=(Rope(form="glm4v", former_forms=(((5, 16), "glm"),)),),
         ),
         Family(
             "glm4v_moe", _module("glm4v_moe"), "Glm4vMoeForConditionalGeneration",

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import transformers
+from packaging.version import Version
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -52,7 +53,7 @@ from tigon.transformers.causal_lm import (
     unwrappable_forward,
     wrap_causal_lm_forward,
 )
-from tigon.transformers.families import FAMILIES, SUPPORTED_RANGE, Family, Norm
+from tigon.transformers.families import FAMILIES, SUPPORTED_RANGE, Family, Norm, Rope
 from tigon.transformers.lora import patch_peft, unpatch_peft
 
 _DERIVED: dict[tuple[type, type], type] = {}
@@ -172,6 +173,13 @@ def _class_patches(family: Family, module, flags: dict[str, bool]):
     return patches
 
 
+def rope_drop_in(row: Rope, version: str | None = None) -> Callable:
+    """tigon's function replacing ``row``'s in transformers ``version`` (default: the installed
+    one): its form's, or a former form's up to the release that computed it so."""
+    release = Version(version or transformers.__version__).release[:2]
+    return layers.ROPE_FORMS[next((form for last, form in row.former_forms if release <= last), row.form)]
+
+
 def _rope_patches(family: Family, module, flags: dict[str, bool]):
     """``(name in module, tigon's drop-in)`` for each rotary function of ``family`` that the
     installed transformers has with the signature of tigon's drop-in."""
@@ -180,7 +188,7 @@ def _rope_patches(family: Family, module, flags: dict[str, bool]):
     patches = []
     for row in family.ropes:
         function = _lookup(family, module, (row.name,), "rotary function", "rope")
-        drop_in = layers.ROPE_FORMS[row.form]
+        drop_in = rope_drop_in(row)
         if function is None:
             continue
         if function is not drop_in:
