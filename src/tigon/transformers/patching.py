@@ -19,6 +19,13 @@ Either way, each mixture-of-experts experts module that a row names is checked a
 ``experts_implementation`` becomes ``"tigon"`` (:mod:`tigon.transformers.moe`): on a built model
 at once, and on each model built after a module is patched by its head's ``post_init``.
 
+Every transformers of :data:`~tigon.transformers.families.SUPPORTED_RANGE` is patched from the
+same table: a piece of a row that the installed version lacks (the whole modeling module of a
+family newer than it, a class, a rotary function, or one whose signature differs from tigon's
+drop-in, a head ``forward`` without ``labels``) stays Hugging Face's, with a
+:class:`MissingInTransformersWarning` naming the family, the piece and the version; the rest of
+the row is patched.
+
 Patches accumulate and are idempotent, and each has its inverse: :func:`unapply_tigon` gives a
 model back its own classes, forward, hooks and experts implementation; ``unapply_tigon_to_<family>()``
 gives a modeling module back its names and its head class its methods. What is shared by the whole
@@ -188,9 +195,9 @@ def _rope_patches(family: Family, module, flags: dict[str, bool]):
     patches = []
     for row in family.ropes:
         function = _lookup(family, module, (row.name,), "rotary function", "rope")
-        drop_in = rope_drop_in(row)
         if function is None:
             continue
+        drop_in = rope_drop_in(row)
         if function is not drop_in:
             expected, parameters = _parameter_names(drop_in), _parameter_names(function)
             if parameters != expected:
