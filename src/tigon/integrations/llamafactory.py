@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from tigon.integrations import tigon_layer_counts
 from tigon.transformers import FAMILIES, FLAGS, PATCHERS, apply_tigon
 from tigon.transformers.patching import FLAG_DEFAULTS
 
@@ -101,15 +102,6 @@ def apply_tigon_kernels(
     apply_tigon(model, **flags)
     LOG.info(f"tigon: layers on tigon's kernels: {tigon_layer_counts(model)}")
     return model
-
-
-def tigon_layer_counts(model: torch.nn.Module) -> dict[str, int]:
-    """How many modules of ``model`` are of each of tigon's classes, by class name."""
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        if type(module).__module__.startswith("tigon."):
-            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
-    return counts
 
 
 def register_kernel_plugin() -> None:
