@@ -12,6 +12,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tigon.testing import TOLERANCE
 
 ON_GPU = torch.cuda.is_available()
+
+
+def needs_trl_fused_head():
+    """A skip mark for tests of TRL's fused LM head (TRL >= 1.16), which older TRLs do not have."""
+    import pytest
+
+    from tigon.trl import HAS_FUSED_HEAD
+
+    return pytest.mark.skipif(not HAS_FUSED_HEAD, reason="the installed TRL has no fused LM head (TRL >= 1.16)")
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -30,6 +30,7 @@ the gradients of a broken guess into NaN (see :mod:`tigon.ops.fused_linear_logpr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -39,20 +40,24 @@ from tigon.ops._launch import host_sync_allowed
 from tigon.ops.fused_linear_logprobs import uniform_grad
 
 try:
+    import trl
     import trl.trainer.utils as _trl_utils
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("tigon.trl needs TRL (pip install 'trl>=1.16')") from error
 
-if not hasattr(_trl_utils, "_ChunkedLogProbFunction"):
-    raise ImportError(
-        f"tigon.trl needs TRL's fused LM head (trl.trainer.utils._ChunkedLogProbFunction, TRL >= 1.16); "
-        f"the installed TRL ({getattr(__import__('trl'), '__version__', '?')}) has none"
-    )
+# TRL's fused LM head as :func:`patch_trl` replaces it: the forward that add_fused_lm_head gives a
+# model, calling _ChunkedLogProbFunction by its module's name (TRL 1.16). Older TRLs have a
+# _ChunkedLogProbFunction of another contract, which each trainer imports under its own name:
+# replacing it would change nothing, so there patch_trl says so and leaves TRL's head.
+HAS_FUSED_HEAD = hasattr(_trl_utils, "add_fused_lm_head") and hasattr(_trl_utils, "_ChunkedLogProbFunction")
+TRL_HEAD = getattr(_trl_utils, "_ChunkedLogProbFunction", None)
 
-TRL_HEAD = _trl_utils._ChunkedLogProbFunction
+
+class TRLHeadMissingWarning(UserWarning):
+    """The installed TRL has no fused LM head for :func:`patch_trl` to put tigon's kernel behind."""
 
 
-__all__ = ["TigonLogProbHead", "is_patched", "patch_trl", "unpatch_trl"]
+__all__ = ["TRLHeadMissingWarning", "TigonLogProbHead", "is_patched", "patch_trl", "unpatch_trl"]
 
 
 class TigonLogProbHead:
@@ -107,15 +112,27 @@ class TigonLogProbHead:
 def patch_trl() -> None:
     """From now on, every TRL fused LM head (``fused_lm_head=True`` forwards) runs tigon's kernel.
 
-    Call it before or after building the trainer; :func:`unpatch_trl` restores TRL's head."""
+    Call it before or after building the trainer; :func:`unpatch_trl` restores TRL's head. With a
+    TRL older than 1.16 (no ``add_fused_lm_head``) it patches nothing and warns
+    (:class:`TRLHeadMissingWarning`): the trainers keep computing their log-probs their own way,
+    and tigon's layers (:func:`tigon.transformers.apply_tigon`) still apply."""
+    if not HAS_FUSED_HEAD:
+        warnings.warn(
+            f"tigon.trl.patch_trl: TRL {trl.__version__} has no fused LM head (trl.trainer.utils.add_fused_lm_head, "
+            "TRL >= 1.16), so tigon's kernel does not replace it and its trainers keep their own log-probs; "
+            "tigon's layers (apply_tigon) still apply. pip install 'trl>=1.16' for tigon's head",
+            TRLHeadMissingWarning, stacklevel=2,
+        )
+        return
     TigonLogProbHead.grad_in_forward = True
     _trl_utils._ChunkedLogProbFunction = TigonLogProbHead  # type: ignore[misc, assignment]
 
 
 def unpatch_trl() -> None:
     """Restore TRL's own fused LM head."""
-    _trl_utils._ChunkedLogProbFunction = TRL_HEAD  # type: ignore[misc]
+    if HAS_FUSED_HEAD:
+        _trl_utils._ChunkedLogProbFunction = TRL_HEAD  # type: ignore[misc, assignment]
 
 
 def is_patched() -> bool:
-    return _trl_utils._ChunkedLogProbFunction is TigonLogProbHead
+    return HAS_FUSED_HEAD and _trl_utils._ChunkedLogProbFunction is TigonLogProbHead

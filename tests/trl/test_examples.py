@@ -6,6 +6,11 @@ import runpy
 import sys
 from pathlib import Path
 
+from utils import needs_trl_fused_head
+
+# The examples are written for TRL 1.16's trainers and fused LM head.
+pytestmark = needs_trl_fused_head()
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SFT_EXAMPLE = EXAMPLES / "train_sft_trl.py"
 SFT_ARGUMENTS = ["--steps", "2", "--batch-size", "2", "--seq-len", "32"]

@@ -15,7 +15,9 @@ import tigon.ops.fused_linear as fused_linear
 import tigon.ops.fused_linear_logprobs as fused_linear_logprobs_ops
 import tigon.trl as tigon_trl
 from tigon.trl import TigonLogProbHead, is_patched, patch_trl, unpatch_trl
-from utils import DEVICE
+from utils import DEVICE, needs_trl_fused_head
+
+pytestmark = needs_trl_fused_head()
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 SMALL = dict(

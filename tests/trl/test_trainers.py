@@ -20,7 +20,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tigon.transformers import apply_tigon
 from tigon.trl import patch_trl, unpatch_trl
-from utils import DEVICE, graph_functions
+from utils import DEVICE, graph_functions, needs_trl_fused_head
+
+pytestmark = needs_trl_fused_head()
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
