@@ -587,28 +587,22 @@ class GatedMLPFunction(torch.autograd.Function):
         x, *tensors = kept_tensors(ctx)
         x_rows, dout_rows = as_rows(x), as_rows(dout)
         tiles = token_tiles(x_rows.shape[0], ctx.tile_rows)
-        grad_x = x_rows.new_empty(x_rows.shape) if kept_x_needs_grad(ctx) and len(tiles) > 1 else None
-        grads: list = []
-        for rows in tiles:
-            # In calls of their own, so that a slice's tensors are freed before the next one's exist.
-            state = _GatedMLPBackward(ctx, x_rows[rows], dout_rows[rows], tensors)
-            for start in range(0, tensors[0].shape[0], ctx.slice_width):
-                state.add_slice(slice(start, start + ctx.slice_width))
-            grad_x_tile, tile_grads = state.finish()
-            if len(tiles) == 1:
-                grad_x, grads = grad_x_tile, tile_grads
-                break
-            if grad_x is not None:
-                grad_x[rows] = grad_x_tile
-            # Each tile's weight gradients are exact over its rows; their sum over tiles is in fp32.
-            if not grads:
-                grads = [None if grad is None else grad.float() for grad in tile_grads]
-            else:
-                for total, grad in zip(grads, tile_grads):
-                    if grad is not None:
-                        total.add_(grad)
-        if len(tiles) > 1:
-            grads = [None if grad is None else grad.to(t.dtype) for grad, t in zip(grads, tensors)]
+        if len(tiles) == 1:
+            grad_x, grads = _GatedMLPBackward(ctx, x_rows, dout_rows, tensors).run()
+        else:
+            grad_x = x_rows.new_empty(x_rows.shape) if kept_x_needs_grad(ctx) else None
+            totals: list = []
+            for rows in tiles:
+                tile_out = None if grad_x is None else grad_x[rows]
+                _, tile_grads = _GatedMLPBackward(ctx, x_rows[rows], dout_rows[rows], tensors, tile_out).run()
+                # Each tile's weight gradients are exact over its rows; their sum over tiles is in fp32.
+                if not totals:
+                    totals = [None if grad is None else grad.float() for grad in tile_grads]
+                else:
+                    for total, grad in zip(totals, tile_grads):
+                        if grad is not None:
+                            total.add_(grad)
+            grads = [None if total is None else total.to(t.dtype) for total, t in zip(totals, tensors)]
         grad_x = None if grad_x is None else grad_x.view(x.shape)
         return grad_x, *grads, None, None, None, None
 
@@ -627,8 +621,8 @@ class _GatedMLPBackward:
     slices and ``h Aᵀ`` is summed over the slices for ``dB``.
     """
 
-    def __init__(self, ctx, x, dout, tensors):
-        self.activation = ctx.activation
+    def __init__(self, ctx, x, dout, tensors, grad_x_out=None):
+        self.activation, self.slice_width, self.grad_x_out = ctx.activation, ctx.slice_width, grad_x_out
         self.x_rows, self.dout_rows = as_rows(x), as_rows(dout)
         self.x_shape, self.need_x = x.shape, kept_x_needs_grad(ctx)
         self.weights, self.lora_tensors = tensors[:3], tensors[3:]
@@ -684,8 +678,16 @@ class _GatedMLPBackward:
                 dy_b.addmm_(dy, adapter.b[rows])
         if self.need_x:
             self.grad_x = (
-                gate_up @ gate_up_weight if self.grad_x is None else self.grad_x.addmm_(gate_up, gate_up_weight)
+                torch.mm(gate_up, gate_up_weight, out=self.grad_x_out) if self.grad_x is None
+                else self.grad_x.addmm_(gate_up, gate_up_weight)
             )
+
+    def run(self):
+        """``(grad_x, grads of the 3 weights and 6 adapter tensors)``: every slice, then :meth:`finish`."""
+        for start in range(0, self.weights[0].shape[0], self.slice_width):
+            # In a call of its own, so that a slice's tensors are freed before the next one's exist.
+            self.add_slice(slice(start, start + self.slice_width))
+        return self.finish()
 
     def finish(self):
         """``(grad_x, grads of the 3 weights and 6 adapter tensors)`` once every slice is in."""

@@ -202,7 +202,7 @@ def fit_checkpointing(
     """
     if memory_budget_gib is not None and (not math.isfinite(memory_budget_gib) or memory_budget_gib <= 0):
         raise ValueError(f"memory_budget_gib must be a positive number of GiB or None, got {memory_budget_gib}")
-    if offload not in (False, True, "auto") or isinstance(offload, int) and not isinstance(offload, bool):
+    if not (isinstance(offload, bool) or offload == "auto"):
         raise ValueError(f"offload must be False, True or 'auto', got {offload!r}")
     _check_probe_args(model)
     n_layers = len(checkpointing_layers(model))

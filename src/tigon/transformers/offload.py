@@ -113,10 +113,15 @@ class ActivationOffloader:
         self.peak_in_use = self._in_use
 
     def keep_free(self, max_bytes: int) -> None:
-        """Release free buffers, largest last, until the free ones hold at most ``max_bytes``."""
+        """Release the largest free buffers until the free ones hold at most ``max_bytes``."""
         self._free.sort(key=torch.Tensor.numel)
-        while self._free and sum(buffer.numel() for buffer in self._free) > max_bytes:
-            self._drop(self._free.pop())
+        kept = 0
+        for index, buffer in enumerate(self._free):
+            if kept + buffer.numel() > max_bytes:
+                self._drop(self._free[index:])
+                del self._free[index:]
+                break
+            kept += buffer.numel()
 
     @contextlib.contextmanager
     def saving(self, tensor: torch.Tensor) -> Iterator[None]:
@@ -147,8 +152,8 @@ class ActivationOffloader:
             self._free.remove(buffer)
             return buffer
         # Nothing free is large enough: the free buffers are from shorter sequences; let them go.
-        while self._free:
-            self._drop(self._free.pop())
+        self._drop(self._free)
+        self._free.clear()
         available, total = host_memory()
         if available - nbytes < HOST_RESERVE_FRACTION * total:
             self._in_use -= nbytes
@@ -165,14 +170,15 @@ class ActivationOffloader:
         self._held += nbytes
         return buffer
 
-    def _drop(self, buffer: torch.Tensor) -> None:
-        """Give a free buffer back to the host, once no copy may still use it."""
-        if buffer.data_ptr() in self._pinned:
-            if self._stream is not None:
-                self._stream.synchronize()
+    def _drop(self, buffers: list[torch.Tensor]) -> None:
+        """Give free buffers back to the host, once no copy may still use them."""
+        pinned = [buffer for buffer in buffers if buffer.data_ptr() in self._pinned]
+        if pinned and self._stream is not None:
+            self._stream.synchronize()
+        for buffer in pinned:
             self._pinned.remove(buffer.data_ptr())
             _check_cuda(torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr()), "cudaHostUnregister")
-        self._held -= buffer.numel()
+        self._held -= sum(buffer.numel() for buffer in buffers)
 
     def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
         self._in_use -= nbytes
