@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_checkpoint import save_tiny_llama
+from transformers import LlamaForCausalLM
 
 if importlib.util.find_spec("axolotl") is None:
     pytest.skip("Axolotl is not installed (.ci/axolotl builds a venv with it)", allow_module_level=True)
@@ -34,7 +35,6 @@ WORDS = [
     "the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "red", "blue", "big", "small", "and", "then",
     "quickly", "slowly",
 ]
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 STEPS = 3
 # fp32 on the CPU: tigon's kernels and PyTorch's layers differ by summation order only.
 RELATIVE_TOLERANCE = 1e-5
@@ -48,30 +48,11 @@ TIGON_KEYS = {
 }
 
 
-def save_tiny_llama(directory: Path) -> None:
-    """A 2-layer Llama with random weights and a word-level tokenizer over :data:`WORDS`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    ).save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     """A directory with ``model/`` (the tiny Llama) and ``data.jsonl`` (32 texts of 8 to 30 words)."""
     root = tmp_path_factory.mktemp("axolotl")
-    save_tiny_llama(root / "model")
+    save_tiny_llama(root / "model", WORDS, prefix_bos=True)
     rng = random.Random(0)
     with open(root / "data.jsonl", "w") as data:
         texts = (" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30))) for _ in range(32))

@@ -21,7 +21,8 @@ import torch
 
 pytest.importorskip("llamafactory")
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_checkpoint import save_tiny_llama, tiny_llama_config
+from transformers import LlamaForCausalLM
 
 WORDS = [
     "the",
@@ -43,46 +44,11 @@ WORDS = [
     "quickly",
     "slowly",
 ]
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+# The words of LLaMA-Factory's ``default`` template, whose punctuation the tokenizer splits off.
+TEMPLATE_WORDS = ["Human", "Assistant", ":"]
 STEPS = 3
 # fp32 on the CPU: tigon's kernels and PyTorch's layers differ by summation order only.
 RELATIVE_TOLERANCE = 1e-5
-
-
-def save_tiny_llama(directory: Path) -> None:
-    """A 2-layer Llama with random weights and a word-level tokenizer over :data:`WORDS` (and the
-    punctuation of LLaMA-Factory's ``default`` template, which the tokenizer splits off words)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {
-        token: index
-        for index, token in enumerate(
-            SPECIAL_TOKENS + WORDS + ["Human", "Assistant", ":"]
-        )
-    }
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    ).save_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=len(vocab),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +56,7 @@ def workspace(tmp_path_factory) -> Path:
     """A directory with ``model/`` (the tiny Llama) and ``data/`` (32 instruction-answer pairs of
     random words, registered as the dataset ``tiny`` in ``data/dataset_info.json``)."""
     root = tmp_path_factory.mktemp("llamafactory")
-    save_tiny_llama(root / "model")
+    save_tiny_llama(root / "model", WORDS + TEMPLATE_WORDS, prefix_bos=False)
     rng = random.Random(0)
 
     def words(low: int, high: int) -> str:
@@ -190,19 +156,12 @@ def test_v1_kernel_plugin_patches_a_peft_model():
     from llamafactory.v1.plugins.model_plugins.kernels.interface import KernelPlugin
 
     import tigon.integrations.llamafactory  # noqa: F401
-    from tigon.integrations.llamafactory import kernel_flags, tigon_layer_counts
+    from tigon.integrations import tigon_layer_counts
+    from tigon.integrations.llamafactory import kernel_flags
 
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
     torch.manual_seed(0)
     model = peft.get_peft_model(
-        LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules="all-linear")
+        LlamaForCausalLM(tiny_llama_config(32)), peft.LoraConfig(r=4, target_modules="all-linear")
     )
     model.train()
     input_ids = torch.randint(32, (2, 8))

@@ -13,21 +13,13 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import loss_and_grads, tiny_batch, tiny_model
 from utils import ON_GPU, TOLERANCE, relative_error
 
 from tigon.transformers import apply_tigon, fit_checkpointing, measure_step_peak, set_checkpointing
 from tigon.transformers.checkpointing import Mode, Probe, checkpointing_layers, choose_plan
 
 N_LAYERS = 4
-
-
-def _loss_and_grads(model, input_ids, labels):
-    loss = model(input_ids=input_ids, labels=labels).loss
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def test_set_checkpointing_recomputes_all_but_the_last_kept_layers():
@@ -64,11 +56,12 @@ def test_every_plan_gives_the_same_losses_and_gradients(patched):
     if patched:
         apply_tigon(model)
     input_ids, labels = tiny_batch()
-    truth_loss, truth_grads = _loss_and_grads(model, input_ids, labels)  # no checkpointing set up
+    truth_loss, truth_grads = loss_and_grads(model, input_ids, labels)  # no checkpointing set up
     for kept in (0, 1, N_LAYERS):
         set_checkpointing(model, kept)
-        loss, grads = _loss_and_grads(model, input_ids, labels)
+        loss, grads = loss_and_grads(model, input_ids, labels)
         assert torch.equal(loss, truth_loss), f"kept {kept}: loss {loss.item()} != {truth_loss.item()}"
+        assert grads.keys() == truth_grads.keys() == {name for name, _ in model.named_parameters()}
         for name, grad in grads.items():
             if patched and kept < N_LAYERS:
                 # A recomputed tigon MLP recomputes its projections slice by slice in backward: the same
@@ -165,13 +158,14 @@ def _gpu_batch(seed: int):
     return {"input_ids": tokens, "labels": tokens}
 
 
-def _train(model, optimizer, steps: int) -> tuple[list[float], float]:
-    """Losses of ``steps`` AdamW steps on fresh batches, and the peak allocated memory (GiB)."""
+def _train(model, optimizer, steps: int, batch=_gpu_batch) -> tuple[list[float], float]:
+    """Losses of ``steps`` AdamW steps on fresh batches (``batch(seed)``), and the peak allocated
+    memory (GiB)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     losses = []
     for step in range(steps):
-        loss = model(**_gpu_batch(100 + step)).loss
+        loss = model(**batch(100 + step)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -273,23 +267,12 @@ def test_offload_auto_fits_a_budget_below_the_all_recomputed_peak_and_holds_in_t
     assert plan.offload and plan.host_gib > 0 and plan.peak_gib <= budget, plan
     assert plan.mlp_tile_tokens is None  # it fitted untiled
 
-    def train(model, optimizer):
-        torch.cuda.reset_peak_memory_stats()
-        losses = []
-        for seed in range(3):
-            loss = model(**batch(100 + seed)).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses, torch.cuda.max_memory_allocated() / 2**30
-
-    losses, peak = train(model, optimizer)
+    losses, peak = _train(model, optimizer, 3, batch)
     assert peak <= budget, (peak, plan)
     del model, optimizer
     fresh, fresh_optimizer = model_and_optimizer()
     set_checkpointing(fresh, plan.kept)
-    fresh_losses, _ = train(fresh, fresh_optimizer)
+    fresh_losses, _ = _train(fresh, fresh_optimizer, 3, batch)
     # The same first loss as the plan without offload, bit for bit (same weights, same batch).
     assert losses[0] == fresh_losses[0]
     assert losses == pytest.approx(fresh_losses, rel=1e-3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_peft_lora import lora_model, step
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import loss_and_grads, tiny_batch, tiny_model
 from utils import assert_ill_conditioned, relative_error
 
 from tigon.ops import gated as gated_ops
@@ -21,14 +21,6 @@ from tigon.transformers import apply_tigon, set_checkpointing, set_mlp_tiling, u
 from tigon.transformers.layers import TigonGatedMLP
 
 TILE = 7  # tokens per tile: tiny_batch's rows split into several tiles, the last one short
-
-
-def _loss_and_grads(model, input_ids, labels):
-    loss = model(input_ids=input_ids, labels=labels).loss
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def _assert_matches(result, truth, what):
@@ -45,12 +37,12 @@ def test_tiled_model_matches_the_untiled_one(plan, monkeypatch):
     if plan != "no checkpointing":
         set_checkpointing(model, 1, offload=plan == "offloaded")
     batch = tiny_batch()
-    truth = _loss_and_grads(model, *batch)
+    truth = loss_and_grads(model, *batch)
     set_mlp_tiling(model, TILE)
     rows = []
     forward = gated_ops.gated_fwd
     monkeypatch.setattr(gated_ops, "gated_fwd", lambda gate, *args: rows.append(gate.shape[0]) or forward(gate, *args))
-    _assert_matches(_loss_and_grads(model, *batch), truth, plan)
+    _assert_matches(loss_and_grads(model, *batch), truth, plan)
     assert rows and max(rows) == TILE
 
 

@@ -14,21 +14,13 @@ import weakref
 import pytest
 import torch
 from test_peft_lora import lora_model
-from tiny_models import tiny_batch, tiny_model
+from tiny_models import loss_and_grads, tiny_batch, tiny_model
 from utils import ON_GPU
 
 from tigon.transformers import apply_tigon, offload_host_bytes, set_checkpointing
 from tigon.transformers.offload import ActivationOffloader, OffloadedCheckpoint
 
 N_LAYERS = 4
-
-
-def _loss_and_grads(model, input_ids, labels):
-    loss = model(input_ids=input_ids, labels=labels).loss
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["hf", "tigon"])
@@ -39,10 +31,10 @@ def test_offload_gives_bitwise_the_gradients_of_the_same_plan(patched, kept):
         apply_tigon(model)
     input_ids, labels = tiny_batch()
     set_checkpointing(model, kept)
-    truth_loss, truth_grads = _loss_and_grads(model, input_ids, labels)
+    truth_loss, truth_grads = loss_and_grads(model, input_ids, labels)
     set_checkpointing(model, kept, offload=True)
     for step in range(2):  # the second step reuses the first one's buffers
-        loss, grads = _loss_and_grads(model, input_ids, labels)
+        loss, grads = loss_and_grads(model, input_ids, labels)
         assert torch.equal(loss, truth_loss), f"step {step}"
         assert grads.keys() == truth_grads.keys()
         for name, grad in grads.items():
@@ -57,9 +49,9 @@ def test_offload_composes_with_peft_and_moe_experts(model_type):
         model = apply_tigon(tiny_model("qwen3_moe", num_hidden_layers=N_LAYERS).train())
     input_ids, labels = tiny_batch()
     set_checkpointing(model, 0)
-    truth_loss, truth_grads = _loss_and_grads(model, input_ids, labels)
+    truth_loss, truth_grads = loss_and_grads(model, input_ids, labels)
     set_checkpointing(model, 0, offload=True)
-    loss, grads = _loss_and_grads(model, input_ids, labels)
+    loss, grads = loss_and_grads(model, input_ids, labels)
     assert torch.equal(loss, truth_loss) and grads.keys() == truth_grads.keys()
     for name, grad in grads.items():
         assert torch.equal(grad, truth_grads[name]), name
@@ -123,13 +115,13 @@ def test_host_buffers_are_reused_across_steps_and_released_for_longer_sequences(
     input_ids, labels = tiny_batch()
     row_bytes = model.config.hidden_size * 4
     for _ in range(2):
-        _loss_and_grads(model, input_ids, labels)
+        loss_and_grads(model, input_ids, labels)
         gc.collect()
         assert offload_host_bytes(model) == N_LAYERS * input_ids.numel() * row_bytes
     longer = torch.cat((input_ids, input_ids), dim=1)
-    _loss_and_grads(model, longer, torch.cat((labels, labels), dim=1))
+    loss_and_grads(model, longer, torch.cat((labels, labels), dim=1))
     assert offload_host_bytes(model) == N_LAYERS * longer.numel() * row_bytes
-    _loss_and_grads(model, input_ids, labels)  # shorter again: the longer buffers serve
+    loss_and_grads(model, input_ids, labels)  # shorter again: the longer buffers serve
     assert offload_host_bytes(model) == N_LAYERS * longer.numel() * row_bytes
 
 

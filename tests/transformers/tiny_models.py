@@ -75,6 +75,16 @@ def tiny_batch(seed: int = 0):
     return input_ids.to(DEVICE), labels.to(DEVICE)
 
 
+def loss_and_grads(model, input_ids, labels):
+    """One forward and backward: the loss and each parameter's gradient (those that got one), by name;
+    the gradients are then cleared."""
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
 @dataclasses.dataclass
 class Run:
     """What a run records: before each step, the weights and the loss and gradients they give;
