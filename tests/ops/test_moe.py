@@ -112,6 +112,40 @@ def test_moe_experts_edge_cases():
     assert_close(grads["hidden_states"], truth_grads["hidden_states"], torch.float32, "grad of hidden_states")
 
 
+def _op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate,
+        transposed, interleaved):
+    return moe.MoEExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                        gate_up_bias, down_bias, gate, transposed, interleaved, 1.702, 7.0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(str(v) for v in layout))
+def test_dropped_slots_add_nothing_and_get_no_gradient(layout):
+    """Slots routed to id E (expert parallelism's slots of another rank's experts) add nothing to
+    the output or to any gradient, and their weights' gradient is 0. Uninitialised memory is
+    NaN here (deterministic mode), so a row that no kernel writes shows."""
+    inputs = _experts(SHAPES[0], torch.float32, layout)
+    n_experts = inputs["gate_up_proj"].shape[0]
+    index = inputs["top_k_index"]
+    dropped = torch.rand(index.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE) < 0.5
+    dropped[0] = True  # a token with no slot here
+    inputs["top_k_index"] = index.masked_fill(dropped, n_experts)
+    with torch.no_grad():
+        inputs["top_k_weights"].masked_fill_(dropped, 0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+        torch.use_deterministic_algorithms(True)
+        try:
+            out, grads = _run(inputs, layout, _op)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+    assert not out[0].any()
+    assert_close(out, truth, torch.float32, "output")
+    assert not grads["top_k_weights"][dropped].any()
+    for name, grad in grads.items():
+        assert_close(grad, truth_grads[name], torch.float32, f"grad of {name}", 2.0)
+
+
 def test_routing_schedule_covers_every_row_once():
     top_k_index, _ = _routing(37, 6, 3, unused=(2,))
     order, row_token, expert_end, tile_expert, tile_row = moe.routing(top_k_index, 6, block_m=4)

@@ -38,6 +38,13 @@ H]`` and ``down_proj [E, H, I]``, or transposed (``[E, H, 2I]``, ``[E, I, H]``, 
 are read in place through strides, and ``gate_up [S, 2I]`` keeps the weight's column order. The
 gates: ``swiglu`` (SiLU), ``geglu`` (tanh GELU) and GPT-OSS's clamped SwiGLU.
 
+Dropped slots: an id equal to ``E`` routes its slot to no expert here. Expert parallelism hands
+each rank the routing of every token with the slots of other ranks' experts set to ``E`` (and
+their weights to 0: transformers' ``EpRouterParallel``); they sort past the last expert, so no
+tile reaches them and they cost no FLOPs: their rows of the ``[S, H]`` buffer are zeroed
+(``moe_drop_rows_kernel``, whose programs over kept rows return at once), their weights' gradient
+is 0 and they add nothing to ``dx``, the weights' or the biases' gradients.
+
 Dtypes: ``x`` and the weights share one float dtype; products accumulate in fp32 (IEEE fp32
 products for fp32 inputs, not TF32); the routing weights may be of any float dtype and their
 gradient is returned in it. A token's ``k`` rows, and ``dx``, are summed in fp32 and rounded
@@ -236,6 +243,30 @@ def moe_scatter_kernel(
 
 
 @triton.jit
+def moe_drop_rows_kernel(
+    ORDER, EXPERT_END, OUT, n_rows, n_cols, n_experts, stride_out,
+    BY_PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Zeros in OUT [S, n_cols] at the rows of the slots routed to no expert (id E): the sorted rows
+    # from the last expert's end on, which no tile of the schedule covers; stored at the slot's
+    # pair t·k + j (BY_PAIR) or at the sorted row.
+    first = tl.program_id(0) * BLOCK_M
+    kept = tl.load(EXPERT_END + n_experts - 1)
+    if first + BLOCK_M <= kept:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_mask = (rows >= kept) & (rows < n_rows)
+    if BY_PAIR:
+        rows = tl.load(ORDER + rows, mask=row_mask, other=0)
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=OUT.dtype.element_ty)
+    for c0 in range(0, n_cols, BLOCK_N):
+        mask = row_mask[:, None] & (c0 + cols < n_cols)[None, :]
+        tl.store(OUT + rows[:, None] * stride_out + (c0 + cols)[None, :], zeros, mask=mask)
+
+
+@triton.jit
 def moe_down_bwd_kernel(
     DY, W, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, D_SCALE_PARTS,
     n_rows, n_hidden, n_inter,
@@ -399,11 +430,12 @@ def tile_schedule(expert_end: torch.Tensor, n_tiles: int, block_m: int) -> tuple
 
 
 def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """The routing metadata of ``top_k_index [T, k]`` (expert ids in ``[0, n_experts)``), without a
-    host sync: ``(order, row_token, expert_end, tile_expert, tile_row)``, all int32.
+    """The routing metadata of ``top_k_index [T, k]`` (expert ids in ``[0, n_experts]``, the last
+    a dropped slot), without a host sync: ``(order, row_token, expert_end, tile_expert,
+    tile_row)``, all int32.
 
     Row ``r`` of the expert-sorted order is pair ``order[r]`` (``t·k + j``) of token ``row_token[r]``;
-    expert ``e``'s rows end at ``expert_end[e]``. Tile ``i`` of ``block_m`` rows belongs to expert
+    expert ``e``'s rows end at ``expert_end[e]``, the dropped slots' rows follow the last expert's. Tile ``i`` of ``block_m`` rows belongs to expert
     ``tile_expert[i]`` (−1 past the last) and starts at row ``tile_row[i]``; the schedule is sized
     for the most tiles any routing can need, ``⌈S / block_m⌉ + min(E, S)``.
     """
@@ -458,6 +490,16 @@ def _scatter(kind, a, weight, weight_strides, bias, row_scale, meta, out, n_in):
         a.stride(0), *weight_strides, stride_bias, out.stride(0),
         ATOMIC=kind == "dx", HAS_BIAS=stride_bias != 0, PRECISION=_precision(a.dtype),
         BLOCK_M=tiles["block_m"], **config,
+    )
+
+
+def _zero_dropped(out, meta, by_pair):
+    """Zeros in ``out [S, ·]`` at the rows of dropped slots (id E), by pair or by sorted row."""
+    order, _, expert_end, _, _ = meta
+    tiles = _tiles(out.dtype)
+    moe_drop_rows_kernel[(triton.cdiv(out.shape[0], tiles["block_m"]),)](
+        order, expert_end, out, out.shape[0], out.shape[1], expert_end.numel(), out.stride(0),
+        BY_PAIR=by_pair, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["down"]["BLOCK_N"],
     )
 
 
@@ -518,6 +560,7 @@ def moe_fwd(
     # (in a fixed order: the output is deterministic) and rounded once.
     rows = x.new_empty((n_rows, n_hidden))
     _scatter("down", wh, down_proj, layout.down_in_out, down_bias, row_weight, meta, rows, n_inter)
+    _zero_dropped(rows, meta, by_pair=True)
     return rows.view(n_tokens, n_rows // max(n_tokens, 1), n_hidden).sum(dim=1), gate_up, wh
 
 
@@ -547,7 +590,8 @@ def moe_bwd(
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
     config = tiles["down_bwd"]
-    d_row_weight = row_weight.new_empty((triton.cdiv(n_inter, config["BLOCK_N"]), row_weight.numel()))
+    # Zeros where no program writes: the rows of dropped slots.
+    d_row_weight = row_weight.new_zeros((triton.cdiv(n_inter, config["BLOCK_N"]), row_weight.numel()))
     moe_down_bwd_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
         dy, down_proj, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, d_row_weight,
         row_weight.numel(), n_hidden, n_inter,
@@ -605,22 +649,26 @@ class MoEExpertsFunction(torch.autograd.Function):
             d_pairs[order.long()] = d_row_weight
             d_weights = d_pairs.view(top_k_weights.shape)
             if down_bias is not None:
-                # y_t's term w_tj · b2_e: its weight's gradient gains dy_t · b2_e.
-                d_weights = d_weights + (dy.float() @ down_bias.float().T).gather(1, top_k_index.long())
+                # y_t's term w_tj · b2_e: its weight's gradient gains dy_t · b2_e (0 for a dropped
+                # slot, which reads the padded column E).
+                bias_terms = torch.nn.functional.pad(dy.float() @ down_bias.float().T, (0, 1))
+                d_weights = d_weights + bias_terms.gather(1, top_k_index.long())
             d_weights = d_weights.to(top_k_weights.dtype)
         d_gate_up_bias = d_down_bias = None
         if gate_up_bias is not None and needs[5]:
-            # Σ over each expert's rows of d_gate_up (now in gate_up): one matmul with the rows'
-            # one-hot expert matrix [E, S].
+            # Σ over each expert's rows of d_gate_up (now in gate_up, but for the dropped slots'
+            # rows, zeroed here): one matmul with the rows' one-hot expert matrix [E, S].
+            _zero_dropped(gate_up, meta, by_pair=False)
             row_expert = top_k_index.reshape(-1)[order.long()]
             one_hot = (row_expert[None, :] == torch.arange(gate_up_bias.shape[0], device=dy.device)[:, None])
             d_gate_up_bias = (one_hot.to(gate_up.dtype) @ gate_up).to(gate_up_bias.dtype)
         if down_bias is not None and needs[6]:
             # Σ over token t and slot j routed to e of w_tj · dy_t: the routing weights as a dense
-            # [T, E] matrix, transposed, times dy.
-            routed = torch.zeros((dy.shape[0], down_bias.shape[0]), dtype=torch.float32, device=dy.device)
+            # [T, E] matrix (a column E for the dropped slots, left out), transposed, times dy.
+            n_experts = down_bias.shape[0]
+            routed = torch.zeros((dy.shape[0], n_experts + 1), dtype=torch.float32, device=dy.device)
             routed.scatter_add_(1, top_k_index.long(), top_k_weights.float())
-            d_down_bias = (routed.T @ dy.float()).to(down_bias.dtype)
+            d_down_bias = (routed[:, :n_experts].T @ dy.float()).to(down_bias.dtype)
         return (
             dx if needs[0] else None, None, d_weights,
             d_gate_up_proj if needs[3] else None, d_down_proj if needs[4] else None,
