@@ -111,3 +111,60 @@ def check_input_weight_order(input, weight, target_name: str, target) -> None:
             f"{tuple(target.shape)} matches the leading dimensions of weight, not of input. Did you pass "
             f"(weight, input)? tigon takes (input, weight, {target_name}), input [..., H] and weight [V, H]"
         )
+
+
+def vocab_sharded_head(input, weight, bias, target, process_group, target_name: str = "target"):
+    """``(input, weight, bias, target, group, reduce_grad_input)`` as local tensors when the LM head
+    is sharded along the vocabulary, else ``None``: ``weight`` a DTensor placed ``(Shard(0),)`` on
+    a 1-D mesh (``bias`` ``None`` or placed alike; ``input`` and ``target`` plain tensors, the same
+    on every rank, or DTensors placed ``Replicate()``), or ``weight`` this rank's plain shard
+    ``[V_r, H]`` with ``process_group``. A DTensor ``input``'s gradient is left ``Partial`` (the
+    sum over the ranks, reduced where its placement asks), a plain one's is all-reduced by the op
+    (``reduce_grad_input``)."""
+    if not torch.distributed.is_available():
+        if process_group is not None:
+            raise ValueError("process_group was given, but this PyTorch has no torch.distributed")
+        return None
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    named = {"input": input, "weight": weight, "bias": bias, target_name: target}
+    if not isinstance(weight, DTensor):
+        for name, value in named.items():
+            if isinstance(value, DTensor):
+                raise TypeError(
+                    f"{name} is a DTensor but weight is not: a vocabulary-parallel head takes weight as a DTensor "
+                    "placed (Shard(0),), or plain local tensors with process_group"
+                )
+        if process_group is None:
+            return None
+        return input, weight, bias, target, process_group, True
+    if process_group is not None:
+        raise ValueError("process_group must be None when weight is a DTensor: its device mesh gives the group")
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"weight is a DTensor placed {tuple(weight.placements)} on a {mesh.ndim}-D mesh; expected (Shard(0),) "
+            "on a 1-D mesh (the vocabulary sharded over the ranks): gather it (full_tensor()) or redistribute it"
+        )
+    if bias is not None:
+        if not (isinstance(bias, DTensor) and bias.device_mesh == mesh and tuple(bias.placements) == (Shard(0),)):
+            got = f"a DTensor placed {tuple(bias.placements)}" if isinstance(bias, DTensor) else "a plain tensor"
+            raise ValueError(f"bias must be None or a DTensor placed (Shard(0),) on weight's mesh, as weight; got {got}")
+        bias = bias.to_local()
+    reduce_grad_input = True
+    for name in ("input", target_name):
+        value = named[name]
+        if not isinstance(value, DTensor):
+            continue
+        if value.device_mesh != mesh or not all(isinstance(p, Replicate) for p in value.placements):
+            raise ValueError(
+                f"{name} is a DTensor placed {tuple(value.placements)}; expected a plain tensor or a DTensor placed "
+                "(Replicate(),) on weight's mesh (every rank holds every token)"
+            )
+        if name == "input":
+            value = value.to_local(grad_placements=[Partial()])
+            reduce_grad_input = False
+        else:
+            value = value.to_local()
+        named[name] = value
+    return named["input"], weight.to_local(), bias, named[target_name], mesh.get_group(), reduce_grad_input

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 
@@ -25,6 +25,7 @@ from tigon._checks import (
     check_same_dtype,
     check_shape,
     check_tensor,
+    vocab_sharded_head,
 )
 from tigon.ops import cross_entropy as _cross_entropy
 from tigon.ops import fused_linear_cross_entropy as _fused_linear_cross_entropy
@@ -35,7 +36,11 @@ from tigon.ops import lora as _lora
 from tigon.ops import moe as _moe
 from tigon.ops import rms_norm as _rms_norm
 from tigon.ops import rope as _rope
+from tigon.ops import vocab_parallel as _vocab_parallel
 from tigon.ops._launch import MAX_FUSED_ROW, host_sync_allowed, range_to_host, read_range
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "rms_norm",
@@ -851,18 +856,21 @@ def fused_linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
     ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
     softcap: float | None = ..., return_z_loss: Literal[False] = ..., chunk_memory_bytes: int | None = ...,
+    process_group: ProcessGroup | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
     ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
     softcap: float | None = ..., return_z_loss: Literal[True], chunk_memory_bytes: int | None = ...,
+    process_group: ProcessGroup | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def fused_linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
     ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
     softcap: float | None = ..., return_z_loss: bool, chunk_memory_bytes: int | None = ...,
+    process_group: ProcessGroup | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def fused_linear_cross_entropy(
     input: torch.Tensor,
@@ -877,6 +885,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     chunk_memory_bytes: int | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
 
@@ -891,11 +900,34 @@ def fused_linear_cross_entropy(
         input: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or ``None``; one float dtype.
             In that order: Liger's ``(lin_weight, _input, target)`` is refused, naming the swap.
         target: ``[...]`` as ``input``'s leading dimensions, checked as :func:`cross_entropy`'s.
-    Returns: as :func:`cross_entropy`.
+        process_group: with ``weight`` (and ``bias``) this rank's shard ``[V_r, H]`` of a head sharded
+            along the vocabulary over the group's ranks, in rank order (see below); ``None`` for a
+            whole head, or a DTensor one.
+
+    **Vocabulary-parallel heads.** ``weight`` may be sharded along the vocabulary: a DTensor placed
+    ``(Shard(0),)`` on a 1-D device mesh (``bias`` ``None`` or placed alike), or a plain shard with
+    ``process_group``; shards may be uneven (DTensor's 51 and 50 rows of V = 101 over two ranks).
+    ``input`` and ``target`` hold the same tokens on every rank (plain tensors, or DTensors placed
+    ``Replicate()``). Each rank computes its slice's logits chunk by chunk, and one all-gather of a
+    few statistics per token and chunk combines the slices (:mod:`tigon.ops.vocab_parallel`): no rank
+    holds all the logits or the whole weight, and every rank gets the whole loss, equal to one
+    process's. The gradients of ``weight`` and ``bias`` are each rank's slice (a DTensor's placed as
+    it); a plain ``input``'s is all-reduced to the whole gradient, a DTensor ``input``'s is placed
+    ``Partial()`` (the sum over the ranks, reduced where its placement asks). One more small
+    collective per call checks the layout (a host sync). Not under torch.compile or CUDA graphs.
     """
+    sharded = vocab_sharded_head(input, weight, bias, target, process_group)
+    if sharded is not None:
+        input, weight, bias, target, group, reduce_grad_input = sharded
     _check_head(input, weight, bias, target)
     _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     _check_chunk_memory(chunk_memory_bytes)
+    if sharded is not None:
+        return _vocab_parallel.fused_linear_cross_entropy(
+            input, weight, target, bias, _vocab_parallel.vocab_shard(weight, target.numel(), group, reduce_grad_input),
+            ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
+            None if softcap is None else float(softcap), bool(return_z_loss), chunk_memory_bytes,
+        )
     return _fused_linear_cross_entropy.fused_linear_cross_entropy(
         input, weight, target, bias, ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
         None if softcap is None else float(softcap), bool(return_z_loss), chunk_memory_bytes,
@@ -916,6 +948,7 @@ def fused_linear_logprobs(
     chunk_memory_bytes: int | None = None,
     grad_in_forward: bool = False,
     backward_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> LogprobFields:
     """Per-token log-probabilities of ``target`` under ``input @ weight.T (+ bias)``, and
     optionally their entropy and more, without holding the ``[N, V]`` logits: the contract of
@@ -947,9 +980,16 @@ def fused_linear_logprobs(
         backward_context: ``None``, or a callable returning a context manager that a recomputing
             backward runs in, for a weight that must be gathered again to be read (DeepSpeed
             ZeRO-3: ``lambda: deepspeed.zero.GatheredParameters([weight])``).
+        process_group: ``weight`` (and ``bias``) this rank's shard of a head sharded along the
+            vocabulary, as in :func:`fused_linear_cross_entropy`, which also takes a DTensor
+            ``weight`` placed ``(Shard(0),)``; there ``grad_in_forward`` is ignored (backward
+            always recomputes, ``8·N·H·V / tp`` FLOPs per rank; one chunk recomputes nothing).
     Returns: ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``target``-shaped,
         fp32 (``is_top1`` bool), or ``None`` when not in ``outputs``.
     """
+    sharded = vocab_sharded_head(input, weight, bias, target, process_group)
+    if sharded is not None:
+        input, weight, bias, target, group, reduce_grad_input = sharded
     _check_head(input, weight, bias, target)
     if isinstance(outputs, str) or not set(outputs) <= set(_fused_linear_logprobs.FIELDS):
         raise ValueError(
@@ -968,6 +1008,12 @@ def fused_linear_logprobs(
     if backward_context is not None and not callable(backward_context):
         raise TypeError(f"backward_context must be None or callable, got {type(backward_context).__name__}")
     _check_chunk_memory(chunk_memory_bytes)
+    if sharded is not None:
+        return _vocab_parallel.fused_linear_logprobs(
+            input, weight, target, bias, _vocab_parallel.vocab_shard(weight, target.numel(), group, reduce_grad_input),
+            ignore_index, float(temperature), None if softcap is None else float(softcap), float(logit_scale),
+            tuple(outputs), chunk_memory_bytes, backward_context,
+        )
     return _fused_linear_logprobs.fused_linear_logprobs(
         input, weight, target, bias, ignore_index, float(temperature), None if softcap is None else float(softcap),
         float(logit_scale), tuple(outputs), chunk_memory_bytes, bool(grad_in_forward), backward_context,
