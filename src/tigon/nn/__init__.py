@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as _module
 
+from tigon import _dtensor as D
 from tigon import functional as F
 from tigon.functional import CastingMode, Reduction
 
@@ -41,7 +42,7 @@ class RMSNorm(nn.Module):
         self.casting_mode = casting_mode
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
+        return D.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode!r}"
@@ -67,7 +68,7 @@ class RMSNormGated(nn.Module):
         self.casting_mode = casting_mode
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        return F.rms_norm_gated(
+        return D.rms_norm_gated(
             hidden_states, gate, self.weight, self.variance_epsilon, group_size=self.group_size,
             norm_before_gate=self.norm_before_gate, casting_mode=self.casting_mode,
         )
@@ -94,7 +95,7 @@ class LayerNorm(nn.Module):
         self.offset = offset
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.offset)
+        return D.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
@@ -104,8 +105,12 @@ def linear_weight_usable(linear: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``linear``'s weight may be used directly instead of calling ``linear``: it is a plain
     ``nn.Linear`` (not a PEFT or quantised wrapper) with no hooks to skip (DeepSpeed ZeRO-3, a
     per-layer FSDP2 unit, user hooks), its weight is whole (not a DTensor shard) and of ``x``'s
-    dtype (no autocast between them)."""
-    if type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or linear.weight.dtype != x.dtype:
+    dtype (no autocast between them), and ``x`` is a plain tensor (a tensor-parallel plan's DTensor
+    goes through the module, which computes on it as the plan says)."""
+    if (
+        type(linear) is not nn.Linear or isinstance(linear.weight, DTensor) or isinstance(x, DTensor)
+        or linear.weight.dtype != x.dtype
+    ):
         return False
     return not (linear._forward_pre_hooks or linear._forward_hooks
                 or _module._global_forward_pre_hooks or _module._global_forward_hooks)
@@ -148,14 +153,14 @@ class _GatedMLP(nn.Module):
 class SwiGLUMLP(_GatedMLP):
     """Llama-style MLP: ``down_proj(silu(gate_proj(x)) · up_proj(x))``."""
 
-    _gate = staticmethod(F.swiglu)
+    _gate = staticmethod(D.swiglu)
     _gate_linear = staticmethod(F.swiglu_linear)
 
 
 class GeGLUMLP(_GatedMLP):
     """Gemma-style MLP: ``down_proj(gelu_tanh(gate_proj(x)) · up_proj(x))``."""
 
-    _gate = staticmethod(F.geglu)
+    _gate = staticmethod(D.geglu)
     _gate_linear = staticmethod(F.geglu_linear)
 
 

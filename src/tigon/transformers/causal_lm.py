@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tigon import functional as F
 from tigon.transformers.families import Family
@@ -76,7 +78,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     def tigon_forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs)
         labels = call.arguments.get("labels")
-        if labels is None or not self.training:
+        if labels is None or not self.training or _head_is_distributed(self, family):
             return forward(self, *args, **kwargs)
 
         loss_kwargs = call.arguments.setdefault(extra_kwargs, {})
@@ -133,6 +135,34 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
 
     tigon_forward.tigon_wraps = forward
     return tigon_forward
+
+
+class ShardedHeadWarning(UserWarning):
+    """The model's ``lm_head`` weight is a DTensor (a tensor-parallel plan's): tigon's loss is not
+    used for it, the model computes its own loss (from the logits the plan builds)."""
+
+
+_warned_sharded_head = False
+
+
+def _head_is_distributed(model, family: Family) -> bool:
+    """Whether ``model``'s ``lm_head`` weight is a DTensor, which tigon's loss leaves to the model
+    (warning once per process): the fused loss needs the whole weight, and gathering a vocab-sharded
+    head is what tensor parallelism avoids. The model's loss runs as its plan says, e.g. over logits
+    gathered by ``colwise_gather_output``, or vocab-parallel under torch's ``loss_parallel``."""
+    global _warned_sharded_head
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if not isinstance(weight, DTensor):
+        return False
+    if not _warned_sharded_head:
+        _warned_sharded_head = True
+        warnings.warn(
+            f"tigon: {family.head}'s lm_head weight is a DTensor placed {tuple(weight.placements)}; tigon's "
+            "loss does not gather it, so the model computes its own loss (tigon's layers still run)",
+            ShardedHeadWarning,
+            stacklevel=3,
+        )
+    return True
 
 
 def output_embeddings(model, family: Family):
