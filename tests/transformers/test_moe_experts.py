@@ -284,3 +284,45 @@ def test_experts_with_a_gate_of_their_own_are_refused_at_forward():
     experts = transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Experts(config)
     with pytest.raises(ValueError, match=r"cannot compute DeepseekV4Experts: its gate is its own \(DeepseekV4Experts"):
         experts(hidden_states, top_k_index, top_k_weights)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_sentinel_slots_are_dropped(model_type):
+    """Under expert parallelism transformers' router hook gives a rank's experts forward the slots
+    of other ranks' experts as id E (the module's number of experts) with weight 0: tigon drops
+    them, as transformers' grouped_mm does (the output and every gradient within TIGHT), and
+    refuses ids past E."""
+    model = set_experts(build(model_type, **FAMILY_OPTIONS[model_type]), model_type)
+    experts = experts_modules(model)[0]
+    n_experts = experts.gate_up_proj.shape[0]
+    generator = torch.Generator().manual_seed(3)
+    hidden_size = model.config.hidden_size
+    hidden_states = torch.randn(29, hidden_size, generator=generator).to(experts.gate_up_proj.device)
+    top_k_index = torch.rand(29, n_experts, generator=generator).argsort(dim=-1)[:, :2]
+    dropped = torch.rand(top_k_index.shape, generator=generator) < 0.5
+    dropped[0] = True  # a token with no slot on this rank
+    top_k_index = top_k_index.masked_fill(dropped, n_experts).to(hidden_states.device)
+    top_k_weights = torch.rand(top_k_index.shape, generator=generator).masked_fill(dropped, 0.0)
+
+    def run(implementation):
+        experts.config._experts_implementation = implementation
+        experts.zero_grad(set_to_none=True)
+        inputs = dict(hidden_states=hidden_states.clone(), top_k_weights=top_k_weights.to(hidden_states.device))
+        inputs = {name: tensor.requires_grad_() for name, tensor in inputs.items()}
+        output = experts(inputs["hidden_states"], top_k_index, inputs["top_k_weights"])
+        output.backward(torch.randn(output.shape, generator=torch.Generator().manual_seed(4)).to(output.device))
+        grads = {name: tensor.grad for name, tensor in (*inputs.items(), *experts.named_parameters())}
+        return output.detach(), graph_functions(output), grads
+
+    (output, functions, grads), (truth, _, truth_grads) = run(moe.IMPLEMENTATION), run("grouped_mm")
+    assert KERNEL in functions
+    assert not output[0].any() and not grads["hidden_states"][0].any()
+    assert relative_error(output, truth) <= TIGHT
+    assert grads.keys() == truth_grads.keys()
+    for name, grad in truth_grads.items():
+        assert relative_error(grads[name], grad) <= TIGHT, name
+    experts.config._experts_implementation = moe.IMPLEMENTATION
+    past_the_sentinel = top_k_index.masked_fill(dropped, n_experts + 1)
+    match = rf"top_k_index must hold expert ids in \[0, {n_experts}\].*got ids from 0 to {n_experts + 1}"
+    with pytest.raises(ValueError, match=match):
+        experts(hidden_states, past_the_sentinel, top_k_weights.to(hidden_states.device))

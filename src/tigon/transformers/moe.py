@@ -37,15 +37,30 @@ keeps the model's own implementation); set directly on a config, the first forwa
 
 Inputs as ``grouped_mm`` takes them: ``hidden_states`` in another dtype than the weights (under
 autocast) is cast to theirs and the output cast back; the routing weights may be of any float
-dtype and get their gradient. Expert parallelism's sentinel ids (``>= E``) are refused by
-:func:`~tigon.functional.moe_experts`'s check.
+dtype and get their gradient.
+
+**Expert parallelism** (``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N,
+enable_expert_parallel=True))``, the family's ``base_model_ep_plan``): transformers shards the
+experts' weights by expert (DTensors ``Shard(0)``, ``E/N`` experts a rank) and runs every token
+through every rank. Its router hook (``ep_router``) remaps the ids of the rank's own experts to
+``[0, E/N)`` and sets the other slots to the sentinel ``E/N`` with weight 0; its experts hook
+(``moe_tp_experts``) hands the forward the rank's local weights as plain tensors and sums the
+ranks' outputs after it (an all-reduce; in backward, one of the input's and one of the routing
+weights' gradients). Here the kernel computes the local experts only: the sentinel slots are
+dropped (:mod:`tigon.ops.moe`: no FLOPs, no gradient), so nothing is gathered and each rank does
+its share of the work. The same hook under tensor parallelism (``tp_plan="auto"``: every expert's
+intermediate features sharded, ``gate_up_proj`` as ``[gate | up]`` of the rank's features) gives
+the kernel consistent local weights too. Weights that reach the forward as DTensors (a plan
+without transformers' experts hook) are refused.
 """
 
 from __future__ import annotations
 
+from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
-from tigon import functional as F
+from tigon.ops import moe as _moe
+from tigon.ops._launch import host_sync_allowed, range_to_host, read_range
 from tigon.transformers import layers
 from tigon.transformers.families import FAMILIES
 
@@ -112,17 +127,53 @@ def experts_kernel(experts) -> dict:
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts forward (``self``, a ``use_experts_implementation`` module) by
-    :func:`tigon.functional.moe_experts`: ``hidden_states [T, H]``, ``top_k_index [T, k]`` expert
-    ids and ``top_k_weights [T, k]`` routing weights → ``[T, H]`` in ``hidden_states``' dtype."""
+    tigon's experts kernel (:func:`tigon.functional.moe_experts`'s): ``hidden_states [T, H]``,
+    ``top_k_index [T, k]`` expert ids in ``[0, E]`` (``E``, the module's number of experts, is
+    expert parallelism's sentinel: a slot of another rank's experts, dropped) and
+    ``top_k_weights [T, k]`` routing weights → ``[T, H]`` in ``hidden_states``' dtype.
+
+    The ids are transformers' contract, wider than :func:`~tigon.functional.moe_experts`' (which
+    refuses ``E``), so the kernel is called here, with the same wait-free check of the ids."""
     kernel = experts_kernel(self)
-    dtype = self.gate_up_proj.dtype
-    output = F.moe_experts(
-        hidden_states.to(dtype), top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-        gate_up_bias=self.gate_up_proj_bias if self.has_bias else None,
-        down_bias=self.down_proj_bias if self.has_bias else None,
-        transposed=self.is_transposed, **kernel,
+    weights = dict(
+        gate_up_proj=self.gate_up_proj, down_proj=self.down_proj,
+        gate_up_proj_bias=self.gate_up_proj_bias if self.has_bias else None,
+        down_proj_bias=self.down_proj_bias if self.has_bias else None,
     )
+    _refuse_dtensors(self, dict(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                                **weights))
+    n_experts = self.gate_up_proj.shape[0]
+    bounds = range_to_host(top_k_index) if top_k_index.numel() and host_sync_allowed(top_k_index) else None
+    options = {"alpha": 0.0, "limit": 0.0, **kernel}  # alpha and limit: read by the clamped gate only
+    output = _moe.MoEExpertsFunction.apply(
+        hidden_states.to(self.gate_up_proj.dtype), top_k_index, top_k_weights, *weights.values(),
+        options["gate"], bool(self.is_transposed), options["interleaved"], float(options["alpha"]),
+        float(options["limit"]),
+    )
+    if bounds is not None:
+        low, high = read_range(bounds)
+        if low < 0 or high > n_experts:
+            raise ValueError(
+                f"top_k_index must hold expert ids in [0, {n_experts}] ({n_experts}: expert parallelism's slots of "
+                f"another rank's experts), as {type(self).__name__}.gate_up_proj has {n_experts} experts; "
+                f"got ids from {low} to {high}"
+            )
     return output.to(hidden_states.dtype)
+
+
+def _refuse_dtensors(experts, tensors: dict) -> None:
+    """A ``ValueError`` naming the first DTensor of ``tensors``: the kernel takes each rank's local
+    experts, which transformers' experts hook (``moe_tp_experts``) hands the forward."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            raise ValueError(
+                f"tigon's experts kernel (experts_implementation={IMPLEMENTATION!r}) got {name} of "
+                f"{type(experts).__name__} as a DTensor (placements {tensor.placements}), where it takes plain "
+                f"tensors: each rank's local experts, as transformers' expert- and tensor-parallel plans hand them "
+                f"to the experts' forward (the 'moe_tp_experts' style, from_pretrained(..., distributed_config="
+                f"DistributedConfig(tp_size=N, enable_expert_parallel=True))); under a plan of your own, give the "
+                f"experts module that style or call it on local tensors"
+            )
 
 
 def register() -> None:

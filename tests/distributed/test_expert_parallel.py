@@ -1,0 +1,163 @@
+"""transformers' expert parallelism (``DistributedConfig(enable_expert_parallel=True)``, gloo on
+CPU) with tigon's experts: each rank's local experts on tigon's kernel, transformers' dispatch
+(its router hook: the rank's expert ids remapped, the others' slots set to a sentinel) and combine
+(an all-reduce of the ranks' outputs) around them. A tiny Qwen3-MoE (8 experts, top-2, 2 sparse
+layers, the router's load-balancing loss on) saved to disk and loaded in every process trains
+for three SGD steps (expert_parallel_worker.py) with the losses, every parameter's gradient at
+every step and the final parameters of one process, within 1e-5 in fp32:
+
+- on 2 and 4 processes with ``apply_tigon``, against one process with ``apply_tigon`` and against
+  transformers' own experts on the same processes;
+- on 2 processes with transformers' tensor parallelism of the experts (``tp_plan`` "auto": every
+  expert's intermediate features sharded), tigon's experts alone, against one process.
+
+transformers' own expert parallelism matches one process as well (the reference is sound), and
+every process ends with the same parameters.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from utils import relative_error
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+STEPS = 3  # the worker's
+TOLERANCE = 1e-5  # fp32: the same sums in another order
+EXPERTS, TOP_K = 8, 2
+KERNEL = "MoEExpertsFunctionBackward"  # tigon's experts in the autograd graph
+GROUPED_MM = "GroupedMm"  # transformers' grouped_mm: torch's GroupedMmBackward0, or its fallback's node
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    processes: int
+    parallel: str = "none"  # "none" | "ep" | "tp"
+    tigon: str = "none"  # "none" | "experts" | "apply"
+
+    @property
+    def settings(self) -> dict:
+        return {"parallel": self.parallel, "tigon": self.tigon}
+
+
+RUNS = {
+    "one": Run(1),
+    "one-tigon": Run(1, tigon="apply"),
+    "ep2": Run(2, "ep"),
+    "ep2-tigon": Run(2, "ep", "apply"),
+    "tp2-tigon-experts": Run(2, "tp", "experts"),
+    "ep4": Run(4, "ep"),
+    "ep4-tigon": Run(4, "ep", "apply"),
+}
+
+
+def save_checkpoint(directory: Path) -> None:
+    """The tiny Qwen3-MoE, seed 0: width 32, 2 layers both sparse, 8 experts of width 48, top-2."""
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, decoder_sparse_step=1, max_position_embeddings=64,
+        output_router_logits=True, router_aux_loss_coef=0.1,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(directory)
+
+
+def _launch(processes: int, checkpoint: Path, out: Path) -> subprocess.Popen:
+    runs = {name: run.settings for name, run in RUNS.items() if run.processes == processes}
+    # A launch's plain runs first: apply_tigon patches the family's modules for the whole process.
+    runs = dict(sorted(runs.items(), key=lambda item: item[1]["tigon"] != "none"))
+    runs_file = out / f"{processes}.runs"
+    runs_file.write_text(json.dumps(runs))
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    command = [*launcher, str(HERE / "expert_parallel_worker.py"), str(checkpoint), str(runs_file), str(out)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict:
+    """Every run's records, one per process, by name. The launches run side by side."""
+    out = tmp_path_factory.mktemp("expert_parallel")
+    checkpoint = out / "checkpoint"
+    save_checkpoint(checkpoint)
+    launches = [_launch(processes, checkpoint, out) for processes in sorted({run.processes for run in RUNS.values()})]
+    for launch in launches:
+        output, _ = launch.communicate(timeout=900)
+        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    return {
+        name: [torch.load(out / f"{name}.rank{rank}.pt") for rank in range(run.processes)]
+        for name, run in RUNS.items()
+    }
+
+
+def assert_same_training(actual: dict, truth: dict):
+    """The same loss at every step, the same gradient of every parameter at every step, and the
+    same parameters at the end."""
+    assert actual["losses"] == pytest.approx(truth["losses"], rel=TOLERANCE)
+    assert len(actual["grads"]) == len(truth["grads"]) == STEPS
+    for step, (grads, truth_grads) in enumerate(zip(actual["grads"], truth["grads"])):
+        assert grads.keys() == truth_grads.keys()
+        for name, grad in truth_grads.items():
+            error = relative_error(grads[name], grad)
+            assert error <= TOLERANCE, f"step {step}, {name}'s gradient: relative error {error:.3g}"
+    assert actual["params"].keys() == truth["params"].keys()
+    for name, param in truth["params"].items():
+        error = relative_error(actual["params"][name], param)
+        assert error <= TOLERANCE, f"{name} after {STEPS} steps: relative error {error:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, truth", [
+    ("ep2", "one"), ("ep4", "one"),
+    ("ep2-tigon", "one-tigon"), ("ep4-tigon", "one-tigon"),
+    ("ep2-tigon", "ep2"), ("ep4-tigon", "ep4"),
+    ("tp2-tigon-experts", "one"),
+])
+def test_trains_as_one_process(records, name, truth):
+    for rank, record in enumerate(records[name]):
+        try:
+            assert_same_training(record, records[truth][0])
+        except AssertionError as error:
+            raise AssertionError(f"{name}, rank {rank}, against {truth}: {error}") from error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS)
+def test_the_experts_run_where_asked_on_their_shard(records, name):
+    """tigon's kernel computes the experts where asked (transformers' grouped_mm elsewhere), each
+    rank on its own experts: E/N of them under expert parallelism, every expert's I/N
+    intermediate features under tensor parallelism."""
+    run = RUNS[name]
+    hidden, inter = 32, 48
+    for record in records[name]:
+        functions = set(record["functions"])
+        grouped_mm = any(GROUPED_MM in function for function in functions)
+        assert (KERNEL in functions, grouped_mm) == ((True, False) if run.tigon != "none" else (False, True))
+        experts, inter_local = EXPERTS, inter
+        if run.parallel == "ep":
+            experts //= run.processes
+        if run.parallel == "tp":
+            inter_local //= run.processes
+        assert record["local_experts"] == [(experts, 2 * inter_local, hidden), (experts, hidden, inter_local)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run.parallel == "ep" and run.tigon != "none"])
+def test_sharded_weights_outside_transformers_hook_are_refused(records, name):
+    for record in records[name]:
+        refusal = record["dtensor_refusal"]
+        assert refusal is not None and "gate_up_proj" in refusal and "DTensor" in refusal
+        assert "moe_tp_experts" in refusal and "Shard(dim=0)" in refusal
