@@ -1,12 +1,14 @@
-"""Trains a tiny Qwen3-MoE loaded from a checkpoint for a few SGD steps: in one process, or in
+"""Trains a tiny MoE model loaded from a checkpoint for a few SGD steps: in one process, or in
 each process of a torchrun launch under transformers' expert parallelism (or its tensor
 parallelism), with Hugging Face's experts or tigon's. Several runs share one launch (one process
 group, one import of everything); a launch's plain runs come before its patched ones, as
 ``apply_tigon`` patches the family's modeling module for the whole process.
 
-    python expert_parallel_worker.py CHECKPOINT RUNS.json OUT_DIR
-    RUNS.json: {"name": {"parallel": "none" | "ep" | "tp", "tigon": "none" | "experts" | "apply"}, ...}
+    python expert_parallel_worker.py CHECKPOINTS RUNS.json OUT_DIR
+    RUNS.json: {"name": {"model": "qwen3_moe" | ..., "parallel": "none" | "ep" | "tp",
+                         "tigon": "none" | "experts" | "apply"}, ...}
 
+``model``: the checkpoint ``CHECKPOINTS/<model>``.
 ``parallel``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=WORLD_SIZE,
 enable_expert_parallel=...))`` over every process, ``"ep"`` with expert parallelism, ``"tp"``
 without. ``tigon``: ``"experts"`` loads with ``experts_implementation="tigon"`` (the experts
@@ -70,15 +72,16 @@ def graph_functions(loss: torch.Tensor) -> list[str]:
     return sorted(names)
 
 
-def load(checkpoint: str, run: dict, world_size: int):
-    options: dict[str, Any] = {}
+def load(checkpoints: Path, run: dict, world_size: int):
+    # GPT-OSS's attention sinks: eager attention.
+    options: dict[str, Any] = {"attn_implementation": "eager"} if run["model"] == "gpt_oss" else {}
     if run["parallel"] != "none":
         options["distributed_config"] = DistributedConfig(
             tp_size=world_size, enable_expert_parallel=run["parallel"] == "ep"
         )
     if run["tigon"] == "experts":
         options["experts_implementation"] = "tigon"
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **options)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints / run["model"], dtype=torch.float32, **options)
     if run["tigon"] == "apply":
         model = apply_tigon(model)
     return model.train()
@@ -97,8 +100,8 @@ def dtensor_refusal(model) -> str | None:
     return None
 
 
-def train(checkpoint: str, run: dict, world_size: int) -> dict:
-    model = load(checkpoint, run, world_size)
+def train(checkpoints: Path, run: dict, world_size: int) -> dict:
+    model = load(checkpoints, run, world_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     record: dict = {"losses": [], "grads": []}
     for step in range(STEPS):
@@ -121,13 +124,13 @@ def train(checkpoint: str, run: dict, world_size: int) -> dict:
 
 
 def main() -> None:
-    checkpoint, runs, out = sys.argv[1], json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
+    checkpoints, runs, out = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, run in runs.items():
-        torch.save(train(checkpoint, run, world_size), out / f"{name}.rank{rank}.pt")
+        torch.save(train(checkpoints, run, world_size), out / f"{name}.rank{rank}.pt")
     if dist.is_initialized():
         gc.collect()
         dist.barrier()

@@ -11,6 +11,9 @@ every step and the final parameters of one process, within 1e-5 in fp32:
 - on 2 processes with transformers' tensor parallelism of the experts (``tp_plan`` "auto": every
   expert's intermediate features sharded), tigon's experts alone, against one process.
 
+A tiny GPT-OSS (the same sizes; transposed weights, interleaved gate and up columns, biases
+sharded with the experts, the clamped SwiGLU) does the same on 2 processes.
+
 transformers' own expert parallelism matches one process as well (the reference is sound), and
 every process ends with the same parameters.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from utils import relative_error
 
@@ -42,10 +45,11 @@ class Run:
     processes: int
     parallel: str = "none"  # "none" | "ep" | "tp"
     tigon: str = "none"  # "none" | "experts" | "apply"
+    model: str = "qwen3_moe"
 
     @property
     def settings(self) -> dict:
-        return {"parallel": self.parallel, "tigon": self.tigon}
+        return {"model": self.model, "parallel": self.parallel, "tigon": self.tigon}
 
 
 RUNS = {
@@ -56,22 +60,36 @@ RUNS = {
     "tp2-tigon-experts": Run(2, "tp", "experts"),
     "ep4": Run(4, "ep"),
     "ep4-tigon": Run(4, "ep", "apply"),
+    "gpt_oss-one-tigon": Run(1, tigon="apply", model="gpt_oss"),
+    "gpt_oss-ep2": Run(2, "ep", model="gpt_oss"),
+    "gpt_oss-ep2-tigon": Run(2, "ep", "apply", model="gpt_oss"),
+}
+HIDDEN, INTER = 32, 48
+# The tiny models, seed 0: width 32, 2 layers whose MLPs are all sparse, 8 experts of width 48,
+# top-2, the router's load-balancing loss on.
+_COMMON = dict(
+    vocab_size=128, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, num_experts_per_tok=TOP_K, max_position_embeddings=64, output_router_logits=True,
+    router_aux_loss_coef=0.1,
+)
+MODELS = {
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        intermediate_size=64, moe_intermediate_size=INTER, num_experts=EXPERTS, decoder_sparse_step=1, **_COMMON
+    )),
+    "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(
+        intermediate_size=INTER, num_local_experts=EXPERTS, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], **_COMMON,
+    )),
 }
 
 
-def save_checkpoint(directory: Path) -> None:
-    """The tiny Qwen3-MoE, seed 0: width 32, 2 layers both sparse, 8 experts of width 48, top-2."""
-    config = Qwen3MoeConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, decoder_sparse_step=1, max_position_embeddings=64,
-        output_router_logits=True, router_aux_loss_coef=0.1,
-    )
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(directory)
+def save_checkpoints(directory: Path) -> None:
+    for name, build in MODELS.items():
+        torch.manual_seed(0)
+        build().save_pretrained(directory / name)
 
 
-def _launch(processes: int, checkpoint: Path, out: Path) -> subprocess.Popen:
+def _launch(processes: int, checkpoints: Path, out: Path) -> subprocess.Popen:
     runs = {name: run.settings for name, run in RUNS.items() if run.processes == processes}
     # A launch's plain runs first: apply_tigon patches the family's modules for the whole process.
     runs = dict(sorted(runs.items(), key=lambda item: item[1]["tigon"] != "none"))
@@ -80,7 +98,7 @@ def _launch(processes: int, checkpoint: Path, out: Path) -> subprocess.Popen:
     launcher = [sys.executable]
     if processes > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    command = [*launcher, str(HERE / "expert_parallel_worker.py"), str(checkpoint), str(runs_file), str(out)]
+    command = [*launcher, str(HERE / "expert_parallel_worker.py"), str(checkpoints), str(runs_file), str(out)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -91,9 +109,9 @@ def _launch(processes: int, checkpoint: Path, out: Path) -> subprocess.Popen:
 def records(tmp_path_factory) -> dict:
     """Every run's records, one per process, by name. The launches run side by side."""
     out = tmp_path_factory.mktemp("expert_parallel")
-    checkpoint = out / "checkpoint"
-    save_checkpoint(checkpoint)
-    launches = [_launch(processes, checkpoint, out) for processes in sorted({run.processes for run in RUNS.values()})]
+    checkpoints = out / "checkpoints"
+    save_checkpoints(checkpoints)
+    launches = [_launch(processes, checkpoints, out) for processes in sorted({run.processes for run in RUNS.values()})]
     for launch in launches:
         output, _ = launch.communicate(timeout=900)
         assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
@@ -125,6 +143,7 @@ def assert_same_training(actual: dict, truth: dict):
     ("ep2-tigon", "one-tigon"), ("ep4-tigon", "one-tigon"),
     ("ep2-tigon", "ep2"), ("ep4-tigon", "ep4"),
     ("tp2-tigon-experts", "one"),
+    ("gpt_oss-ep2-tigon", "gpt_oss-one-tigon"), ("gpt_oss-ep2-tigon", "gpt_oss-ep2"),
 ])
 def test_trains_as_one_process(records, name, truth):
     for rank, record in enumerate(records[name]):
@@ -139,19 +158,21 @@ def test_trains_as_one_process(records, name, truth):
 def test_the_experts_run_where_asked_on_their_shard(records, name):
     """tigon's kernel computes the experts where asked (transformers' grouped_mm elsewhere), each
     rank on its own experts: E/N of them under expert parallelism, every expert's I/N
-    intermediate features under tensor parallelism."""
+    intermediate features under tensor parallelism (GPT-OSS's weights are transposed)."""
     run = RUNS[name]
-    hidden, inter = 32, 48
     for record in records[name]:
         functions = set(record["functions"])
         grouped_mm = any(GROUPED_MM in function for function in functions)
         assert (KERNEL in functions, grouped_mm) == ((True, False) if run.tigon != "none" else (False, True))
-        experts, inter_local = EXPERTS, inter
+        experts, inter = EXPERTS, INTER
         if run.parallel == "ep":
             experts //= run.processes
         if run.parallel == "tp":
-            inter_local //= run.processes
-        assert record["local_experts"] == [(experts, 2 * inter_local, hidden), (experts, hidden, inter_local)]
+            inter //= run.processes
+        shapes = [(experts, 2 * inter, HIDDEN), (experts, HIDDEN, inter)]
+        if run.model == "gpt_oss":
+            shapes = [(experts, HIDDEN, 2 * inter), (experts, inter, HIDDEN)]
+        assert record["local_experts"] == shapes
 
 
 @pytest.mark.slow
