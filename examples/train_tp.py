@@ -12,8 +12,9 @@ Two ways to shard the model over ``--tp`` processes, then ``apply_tigon(model)``
   residual stream sharded on the sequence, so each rank's norms see ``[B, T/tp, H]`` (a DTensor
   ``Shard(1)``, which tigon's RMSNorm computes locally and whose weight gradient DTensor sums).
 
-The loss: the lm_head is vocab-sharded by both plans; tigon does not gather it, so the model
-computes its own loss (with a one-time ``ShardedHeadWarning``) over the logits the plan builds.
+The loss: both plans shard lm_head along the vocabulary, and tigon's fused loss computes on that
+shard: each rank the logits of its slice of the vocabulary, chunk by chunk, a few statistics per
+token combined across ranks; no rank builds the whole logits or gathers the weight.
 
 Tensor-parallel ranks see the same batch: the data here is synthetic and identical everywhere.
 The model is a tiny random Llama by default (each rank saves the same seed-0 weights to its own
@@ -102,8 +103,8 @@ def parallelize_sequence(model, mesh: DeviceMesh):
     ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``)
     torchtitan's way: column-parallel q, k, v, gate and up, row-parallel o and down whose outputs
     are reduce-scattered over the sequence, and the norms sequence-parallel in between (their input
-    ``[B, T/tp, H]``, their weight replicated); the embedding's output is sequence-sharded too and
-    lm_head gathers its logits.
+    ``[B, T/tp, H]``, their weight replicated); the embedding's output is sequence-sharded too, and
+    lm_head column-parallel (vocabulary-sharded) over the gathered sequence.
 
     The decoder then sees a shard of the sequence, so the forward must be given the full
     ``position_ids``; attention builds no mask of its own (SDPA's causal mode, no padding mask).

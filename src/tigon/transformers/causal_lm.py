@@ -15,7 +15,10 @@ ahead of all others, and reshards them after its forward when ``lm_head`` is a u
 (read later, the weight would be a DTensor shard); DeepSpeed ZeRO-3 gathers a parameter read
 during the model's forward and registers it with the module running, whose backward gathers it
 again; DDP and one process see the plain weight anyway. The fused loss computes the weight's
-gradient in the forward pass, so backward never needs the weight gathered again.
+gradient in the forward pass, so backward never needs the weight gathered again. Under tensor
+parallelism the weight is a DTensor sharded along the vocabulary (``tp_plan="auto"``, torch's
+``ColwiseParallel``): the loss is then vocabulary-parallel, each rank over its slice, and any other
+DTensor head is left to the model's own loss with a :class:`ShardedHeadWarning`.
 
 The loss is computed as Hugging Face's ``ForCausalLMLoss`` does, with the same options, from
 those hidden states and ``lm_head``'s weight by tigon's fused linear cross entropy (or, with
@@ -43,7 +46,7 @@ import inspect
 import warnings
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from tigon import functional as F
 from tigon.transformers.families import Family
@@ -78,7 +81,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     def tigon_forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs)
         labels = call.arguments.get("labels")
-        if labels is None or not self.training or _head_is_distributed(self, family):
+        if labels is None or not self.training or _loss_left_to_model(self, family, loss):
             return forward(self, *args, **kwargs)
 
         loss_kwargs = call.arguments.setdefault(extra_kwargs, {})
@@ -129,7 +132,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
 
         fields = dict(output, loss=loss_value)
         if loss == "fused_linear_cross_entropy":
-            fields.pop("logits")  # the empty [B, 0, V] the head was given to compute
+            fields.pop("logits")  # the [B, 0, V] (or [B, 1, V]) the head was given to compute
         output = type(output)(**fields)
         return output if return_dict else output.to_tuple()
 
@@ -138,27 +141,37 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
 
 
 class ShardedHeadWarning(UserWarning):
-    """The model's ``lm_head`` weight is a DTensor (a tensor-parallel plan's): tigon's loss is not
-    used for it, the model computes its own loss (from the logits the plan builds)."""
+    """The model's ``lm_head`` weight is a DTensor that tigon's loss does not take: the model
+    computes its own loss (from the logits its tensor-parallel plan builds)."""
 
 
 _warned_sharded_head = False
 
 
-def _head_is_distributed(model, family: Family) -> bool:
-    """Whether ``model``'s ``lm_head`` weight is a DTensor, which tigon's loss leaves to the model
-    (warning once per process): the fused loss needs the whole weight, and gathering a vocab-sharded
-    head is what tensor parallelism avoids. The model's loss runs as its plan says, e.g. over logits
-    gathered by ``colwise_gather_output``, or vocab-parallel under torch's ``loss_parallel``."""
+def _loss_left_to_model(model, family: Family, loss: str) -> bool:
+    """Whether ``model``'s ``lm_head`` weight is a DTensor (a tensor-parallel plan's) that tigon's
+    ``loss`` leaves to the model, warning once per process. The fused loss takes a head sharded
+    along the vocabulary (``(Shard(0),)`` on a 1-D mesh, as ``tp_plan="auto"`` and torch's
+    ``ColwiseParallel`` shard it): each rank computes its slice's logits and a few statistics per
+    token are combined (:func:`tigon.functional.fused_linear_cross_entropy`). Any other placement,
+    and the cross entropy over logits, are left to the model's own loss, as its plan computes it:
+    tigon gathers nothing."""
     global _warned_sharded_head
     weight = getattr(model.get_output_embeddings(), "weight", None)
     if not isinstance(weight, DTensor):
         return False
+    vocab_sharded = weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),)
+    if loss == "fused_linear_cross_entropy" and vocab_sharded:
+        return False
     if not _warned_sharded_head:
         _warned_sharded_head = True
+        takes = (
+            "tigon's cross entropy takes whole logits" if loss == "cross_entropy"
+            else "tigon's fused loss takes a head sharded along the vocabulary, (Shard(0),) on a 1-D mesh"
+        )
         warnings.warn(
-            f"tigon: {family.head}'s lm_head weight is a DTensor placed {tuple(weight.placements)}; tigon's "
-            "loss does not gather it, so the model computes its own loss (tigon's layers still run)",
+            f"tigon: {family.head}'s lm_head weight is a DTensor placed {tuple(weight.placements)} on a "
+            f"{weight.device_mesh.ndim}-D mesh and {takes}: the model computes its own loss (tigon's layers still run)",
             ShardedHeadWarning,
             stacklevel=3,
         )
@@ -207,7 +220,10 @@ def _loss_when_asked(head, args):
             request["ignore_index"], request["reduction"],
         )
     )
-    return (hidden_states.narrow(-2, 0, 0), *args[1:])
+    # A DTensor head (tensor parallel) is given one position: DTensor's sharding propagation of the
+    # linear divides by an empty dimension. Its [B, 1, V] logits are dropped like the empty ones.
+    positions = 1 if isinstance(head.weight, DTensor) else 0
+    return (hidden_states.narrow(-2, 0, positions), *args[1:])
 
 
 def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_index, reduction):

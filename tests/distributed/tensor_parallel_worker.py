@@ -1,0 +1,142 @@
+"""The runs that tests/distributed/test_tensor_parallel.py compares, in one process or in each
+process of a tensor-parallel launch; rank 0 saves their records to ``OUT`` (``torch.save``).
+
+    python tensor_parallel_worker.py CHECKPOINT OUT reference
+    torchrun --nproc-per-node N tensor_parallel_worker.py CHECKPOINT OUT CASE [CASE ...]
+
+``reference``: the checkpoint's model in one process, plain Hugging Face (first, before tigon
+patches anything in the process) and under ``apply_tigon``. The cases (examples/train_tp.py's
+plans, patched after sharding):
+
+- ``auto``: ``tp_plan="auto"``; ``auto-checkpointing``: the same under non-reentrant gradient
+  checkpointing (where one process takes tigon's whole-MLP function);
+- ``sequence-parallel``: torch's ``parallelize_module`` with sequence-parallel norms;
+- ``refusals``: placements tigon's layers cannot compute on shards, each error's type and message.
+
+A training record holds every step's loss, every parameter's whole gradient (a DTensor's gathered
+with ``full_tensor()``), whether the loss was tigon's fused one (no logits returned), the patched
+layers' classes and the warnings raised.
+"""
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import tigon  # noqa: F401  (first: without a GPU it switches on Triton's interpreter)
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from transformers import AutoModelForCausalLM
+
+from tigon.transformers import apply_tigon
+from tigon.transformers.layers import apply_rotary_pos_emb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import train_tp  # noqa: E402
+
+STEPS, BATCH, SEQ = 3, 2, 16
+# Adam's eps at 1e-5: at its default 1e-8 the first update turns the fp32 rounding of gradient
+# entries near zero into whole ±lr steps, and tigon and Hugging Face in one process already
+# differ by 1e-5 on the third step's gradients (1e-6 with this eps).
+ADAM_EPS = 1e-5
+DEVICE = torch.device("cpu")
+
+
+def train(model) -> dict:
+    """``STEPS`` AdamW steps on the example's batches."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=ADAM_EPS)
+    losses, grads = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            output = model(**train_tp.batch(step, BATCH, SEQ, model.config.vocab_size, DEVICE))
+            output.loss.backward()
+            losses.append(output.loss.item())
+            grads.append({
+                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for name, p in model.named_parameters()
+            })
+            optimizer.step()
+            optimizer.zero_grad()
+    return dict(
+        losses=losses, grads=grads, fused_loss=output.logits is None,
+        classes=sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Tigon")}),
+        warnings=sorted({w.category.__name__ for w in caught if "tigon" in str(w.message)}),
+    )
+
+
+def reference(checkpoint: str) -> dict:
+    records = {}
+    for name in ("plain", "tigon"):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        if name == "tigon":
+            apply_tigon(model)
+        records[name] = train(model.train())
+    return records
+
+
+def refusals(checkpoint: str, tp: int) -> dict:
+    """Each refused placement's ``(error type, message)``, from a patched model's layers."""
+    mesh = init_device_mesh("cpu", (tp,))
+    model = apply_tigon(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32))
+    hidden = model.config.hidden_size
+    x = torch.randn(BATCH, SEQ, hidden, requires_grad=True)
+    norm = model.model.norm
+    attempts = {
+        # The norm's input sharded on the hidden dimension (a "sequence" dimension of -1).
+        "hidden-sharded input": lambda: parallelize_module(norm, mesh, SequenceParallel(sequence_dim=-1))(
+            x.narrow(-1, 0, hidden // tp)
+        ),
+        "hidden-sharded weight": lambda: distribute_module(
+            model.model.layers[0].input_layernorm, mesh,
+            lambda name, module, mesh: module.register_parameter(
+                "weight", torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(0)]))
+            ),
+        )(DTensor.from_local(x, mesh, [Replicate()])),
+        "partial input": lambda: model.model.layers[1].input_layernorm(DTensor.from_local(x, mesh, [Partial()])),
+        # q and k [B, H, T, D] sharded on the positions, whose angles the tables hold whole.
+        "position-sharded rope": lambda: apply_rotary_pos_emb(
+            DTensor.from_local(torch.randn(BATCH, 4, SEQ // tp, 16), mesh, [Shard(2)]),
+            DTensor.from_local(torch.randn(BATCH, 4, SEQ // tp, 16), mesh, [Shard(2)]),
+            torch.randn(BATCH, SEQ, 16), torch.randn(BATCH, SEQ, 16),
+        ),
+    }
+    errors = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except Exception as error:  # noqa: BLE001  (the test names the type it expects)
+            errors[name] = (type(error).__name__, str(error))
+        else:
+            errors[name] = None
+    return errors
+
+
+def main():
+    checkpoint, out, cases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    if cases == ["reference"]:
+        torch.save(reference(checkpoint), out)
+        return
+    train_tp.init_distributed(int(os.environ["WORLD_SIZE"]))
+    records = {}
+    for case in cases:
+        if case == "refusals":
+            records[case] = refusals(checkpoint, dist.get_world_size())
+            continue
+        plan = "sequence-parallel" if case == "sequence-parallel" else "auto"
+        model = train_tp.load_model(checkpoint, plan, dist.get_world_size(), DEVICE)
+        if case == "auto-checkpointing":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        records[case] = train(model)
+    if dist.get_rank() == 0:
+        torch.save(records, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""apply_tigon on tensor-parallel models, 2 and 4 processes on gloo, against one process.
+
+A tiny Llama checkpoint (4 heads, so that 4 ranks hold one each) is trained for a few AdamW steps,
+sharded by examples/train_tp.py's plans and patched after: transformers' ``tp_plan="auto"``
+(activations replicated between layers: tigon's RMSNorm on replicated ones, its SwiGLU on the
+rank's columns, its RoPE on the rank's heads), the same under gradient checkpointing, and torch's
+``parallelize_module`` with sequence-parallel norms (tigon's RMSNorm on ``Shard(1)`` DTensors, its
+weight gradient summed over the ranks). The loss is tigon's vocabulary-parallel fused loss on the
+sharded lm_head. Every step's loss and every parameter's gradient (gathered whole) must match one
+process, patched and plain, within 1e-5 in fp32. Placements that tigon cannot compute on shards
+are refused with an error naming them.
+
+Without tigon's DTensor handling, the sequence-parallel norms fail (the kernels get DTensors), and
+a reduce-scatter's pending output reaching a kernel loses its gradient's path to the embedding.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from utils import relative_error
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import train_tp  # noqa: E402
+
+LAUNCHES = {
+    "one": ["reference"],
+    "2": ["auto", "auto-checkpointing", "sequence-parallel", "refusals"],
+    "4": ["auto", "sequence-parallel"],
+}
+RUNS = [(tp, case) for tp in ("2", "4") for case in LAUNCHES[tp] if case != "refusals"]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict:
+    """Each launch's records, by launch; the three launches run side by side."""
+    out = tmp_path_factory.mktemp("tensor_parallel")
+    checkpoint = train_tp.save_tiny_llama(str(out / "checkpoint"))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launches = {}
+    for name, cases in LAUNCHES.items():
+        launcher = [sys.executable]
+        if name != "one":
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", name]
+        command = [*launcher, str(HERE / "tensor_parallel_worker.py"), checkpoint, str(out / f"{name}.pt"), *cases]
+        launches[name] = subprocess.Popen(
+            command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    for name, launch in launches.items():
+        output, _ = launch.communicate(timeout=600)
+        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    return {name: torch.load(out / f"{name}.pt") for name in LAUNCHES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["tigon", "plain"])
+@pytest.mark.parametrize("tp, case", RUNS)
+def test_matches_one_process(records, tp, case, reference):
+    run, truth = records[tp][case], records["one"][reference]
+    assert run["classes"] == records["one"]["tigon"]["classes"] == ["TigonLlamaMLP", "TigonLlamaRMSNorm"]
+    assert run["fused_loss"], "the loss was not tigon's (logits were returned)"
+    assert run["warnings"] == [], "tigon warned: a layer or the loss was left to Hugging Face"
+    assert run["losses"] == pytest.approx(truth["losses"], rel=TOLERANCE)
+    for step, (grads, true_grads) in enumerate(zip(run["grads"], truth["grads"], strict=True)):
+        assert grads.keys() == true_grads.keys()
+        for name, grad in grads.items():
+            error = relative_error(grad, true_grads[name])
+            assert error <= TOLERANCE, f"step {step}: {name}'s gradient is {error:.2e} off"
+
+
+REFUSALS = {
+    "hidden-sharded input": ("Shard(dim=2)", "cannot run on shards"),
+    "hidden-sharded weight": ("needs weight replicated", "Shard(dim=0)"),
+    "partial input": ("Partial(sum)", "redistribute it"),
+    "position-sharded rope": ("rope got q", "Shard(dim=2)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REFUSALS)
+def test_refuses_what_shards_cannot_compute(records, name):
+    error = records["2"]["refusals"][name]
+    assert error is not None, f"{name}: no error"
+    kind, message = error
+    assert kind == "ShardingError"
+    for part in REFUSALS[name]:
+        assert part in message
