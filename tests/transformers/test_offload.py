@@ -146,7 +146,11 @@ def test_set_checkpointing_refuses_a_non_boolean_offload():
 @pytest.mark.skipif(not ON_GPU, reason="pinned buffers and the side stream")
 def test_on_gpu_the_inputs_leave_the_device_and_the_buffers_are_pinned():
     """Bitwise on the GPU needs a deterministic step: eager attention (SDPA's flash backward adds
-    into dq with atomics) and PyTorch's deterministic embedding backward."""
+    into dq with atomics) and PyTorch's deterministic embedding backward.
+
+    What offload saves is measured between forward and backward, where every recomputed layer's
+    input waits: the step's peak comes later, in the first layer's backward, where no input waits
+    any more and the parameter gradients (which grow as backward goes down the layers) dominate."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=8,
@@ -154,17 +158,16 @@ def test_on_gpu_the_inputs_leave_the_device_and_the_buffers_are_pinned():
     torch.manual_seed(0)
     model = apply_tigon(LlamaForCausalLM(config).cuda().to(torch.bfloat16).train())
     tokens = torch.randint(0, config.vocab_size, (1, 4096), device="cuda")
-    peaks, grads = {}, {}
+    held, grads = {}, {}
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         for offload in (False, True, True):
             set_checkpointing(model, 0, offload=offload)
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            torch.cuda.synchronize()
-            peaks[offload] = torch.cuda.max_memory_allocated() - base
+            loss = model(input_ids=tokens, labels=tokens).loss
+            held[offload] = torch.cuda.memory_allocated() - base
+            loss.backward()
             step = {name: p.grad.clone() for name, p in model.named_parameters()}
             for name, grad in grads.get(offload, {}).items():
                 assert torch.equal(step[name], grad), f"offload {offload}, second step: {name}"
@@ -175,8 +178,9 @@ def test_on_gpu_the_inputs_leave_the_device_and_the_buffers_are_pinned():
     for name, grad in grads[False].items():
         assert torch.equal(grads[True][name], grad), name
     layer_input = tokens.numel() * config.hidden_size * 2
-    # Five of the six layer inputs no longer wait on the device (one is being recomputed, one fetched).
-    assert peaks[False] - peaks[True] >= 3.5 * layer_input, (peaks, layer_input)
+    # None of the six layer inputs waits on the device for backward (a freed tensor whose copy to the
+    # host is still running no longer counts as allocated).
+    assert held[False] - held[True] >= 5.5 * layer_input, (held, layer_input)
     assert model._tigon_offloader._free[0].is_pinned()
 
 
