@@ -42,6 +42,9 @@ from transformers.distributed import DistributedConfig
 
 from tigon.transformers import apply_tigon
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from utils import graph_functions  # noqa: E402  (tests/utils.py)
+
 STEPS, BATCH, SEQ = 3, 2, 12
 LR = 0.1
 
@@ -58,18 +61,6 @@ def batch(step: int, vocab_size: int) -> dict:
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
-def graph_functions(loss: torch.Tensor) -> list[str]:
-    names, seen, pending = set(), set(), [loss.grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        pending.extend(next_node for next_node, _ in node.next_functions)
-    return sorted(names)
 
 
 def load(checkpoints: Path, run: dict, world_size: int):
@@ -107,7 +98,7 @@ def train(checkpoints: Path, run: dict, world_size: int) -> dict:
     for step in range(STEPS):
         loss = model(**batch(step, model.config.vocab_size)).loss
         if step == 0:
-            record["functions"] = graph_functions(loss)
+            record["functions"] = sorted(graph_functions(loss))
         loss.backward()
         record["losses"].append(loss.item())
         record["grads"].append({name: whole(p.grad) for name, p in model.named_parameters() if p.grad is not None})

@@ -435,9 +435,10 @@ def routing(top_k_index: torch.Tensor, n_experts: int, block_m: int) -> tuple[to
     tile_row)``, all int32.
 
     Row ``r`` of the expert-sorted order is pair ``order[r]`` (``t·k + j``) of token ``row_token[r]``;
-    expert ``e``'s rows end at ``expert_end[e]``, the dropped slots' rows follow the last expert's. Tile ``i`` of ``block_m`` rows belongs to expert
-    ``tile_expert[i]`` (−1 past the last) and starts at row ``tile_row[i]``; the schedule is sized
-    for the most tiles any routing can need, ``⌈S / block_m⌉ + min(E, S)``.
+    expert ``e``'s rows end at ``expert_end[e]``, and the dropped slots' rows follow the last
+    expert's. Tile ``i`` of ``block_m`` rows belongs to expert ``tile_expert[i]`` (−1 past the
+    last) and starts at row ``tile_row[i]``; the schedule is sized for the most tiles any routing
+    can need, ``⌈S / block_m⌉ + min(E, S)``.
     """
     top_k = top_k_index.shape[1]
     device = top_k_index.device
@@ -566,7 +567,7 @@ def moe_fwd(
 
 def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, wh, row_weight, order, row_token, expert_end,
                   tile_expert, tile_row, gate, transposed, interleaved, alpha, limit, needs_dx, needs_d_gate_up,
-                  needs_d_down):
+                  needs_d_down, zero_dropped=False):
     def grad(like, needed):
         return like.new_empty(like.shape if needed else (0,))
 
@@ -580,9 +581,11 @@ def moe_bwd(
     wh: torch.Tensor, row_weight: torch.Tensor, order: torch.Tensor, row_token: torch.Tensor,
     expert_end: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool,
     interleaved: bool, alpha: float, limit: float, needs_dx: bool, needs_d_gate_up: bool, needs_d_down: bool,
+    zero_dropped: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, d_gate_up_proj, d_down_proj, d_row_weight)`` for ``dy [T, H]``; a gradient not asked
-    for is an empty tensor. ``gate_up`` is overwritten with its gradient. ``d_row_weight [S]`` fp32
+    for is an empty tensor. ``gate_up`` is overwritten with its gradient, and with ``zero_dropped``
+    its dropped slots' rows with zeros (for a sum over every row). ``d_row_weight [S]`` fp32
     leaves out the down bias's term ``dy_t · b2_e``."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed)
@@ -612,6 +615,8 @@ def moe_bwd(
     d_gate_up = none
     if needs_d_gate_up:
         d_gate_up = _weight_grad(gate_up, x, False, True, meta, gate_up_proj, transposed, 2 * n_inter, n_hidden)
+    if zero_dropped:
+        _zero_dropped(gate_up, meta, by_pair=False)
     return dx, d_gate_up, d_down, d_row_weight.sum(dim=0)
 
 
@@ -639,9 +644,10 @@ class MoEExpertsFunction(torch.autograd.Function):
          *meta) = ctx.saved_tensors
         order = meta[0]
         needs = ctx.needs_input_grad
+        needs_gate_up_bias = gate_up_bias is not None and needs[5]
         dx, d_gate_up_proj, d_down_proj, d_row_weight = moe_bwd(
             dy.contiguous(), x, gate_up_proj, down_proj, gate_up, wh, row_weight, *meta, *ctx.options,
-            needs[0], needs[3], needs[4],
+            needs[0], needs[3], needs[4], needs_gate_up_bias,
         )
         d_weights = None
         if needs[2]:
@@ -655,10 +661,9 @@ class MoEExpertsFunction(torch.autograd.Function):
                 d_weights = d_weights + bias_terms.gather(1, top_k_index.long())
             d_weights = d_weights.to(top_k_weights.dtype)
         d_gate_up_bias = d_down_bias = None
-        if gate_up_bias is not None and needs[5]:
-            # Σ over each expert's rows of d_gate_up (now in gate_up, but for the dropped slots'
-            # rows, zeroed here): one matmul with the rows' one-hot expert matrix [E, S].
-            _zero_dropped(gate_up, meta, by_pair=False)
+        if needs_gate_up_bias:
+            # Σ over each expert's rows of d_gate_up (now in gate_up, the dropped slots' rows
+            # zeroed): one matmul with the rows' one-hot expert matrix [E, S].
             row_expert = top_k_index.reshape(-1)[order.long()]
             one_hot = (row_expert[None, :] == torch.arange(gate_up_bias.shape[0], device=dy.device)[:, None])
             d_gate_up_bias = (one_hot.to(gate_up.dtype) @ gate_up).to(gate_up_bias.dtype)
