@@ -3,7 +3,7 @@
 Two ways to shard the model over ``--tp`` processes, then ``apply_tigon(model)`` on the result:
 
 - ``--plan auto``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))``
-  (``tp_plan="auto"`` before transformers 5.17), transformers' DTensor plan: q, k, v,
+  (``tp_plan="auto"`` where ``DistributedConfig`` takes no plan), transformers' DTensor plan: q, k, v,
   gate and up column-parallel (each rank holds some heads and some of the MLP's columns), o and
   down row-parallel, activations between layers replicated. tigon's RoPE then rotates the rank's
   heads, its SwiGLU the rank's columns, its RMSNorm the replicated activations.
@@ -31,6 +31,7 @@ same numbers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -45,7 +46,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.distributed import DistributedConfig
 
 from tigon.transformers import apply_tigon
 
@@ -135,13 +137,20 @@ def parallelize_sequence(model, mesh: DeviceMesh):
     return model
 
 
+def auto_plan(tp: int) -> dict:
+    """``from_pretrained``'s arguments for transformers' own plan over ``tp`` ranks: a
+    ``DistributedConfig`` where it takes the plan (transformers 5.17 deprecates ``tp_plan=``), else
+    ``tp_plan="auto"``."""
+    if "tp_plan" in {field.name for field in dataclasses.fields(DistributedConfig)}:
+        return dict(distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))
+    return dict(tp_plan="auto", tp_size=tp)
+
+
 def load_model(path: str, plan: str, tp: int, device: torch.device, tigon: bool = True):
     """The checkpoint at ``path`` sharded by ``plan`` over ``tp`` ranks, in fp32, patched by tigon
     unless ``tigon`` is false."""
     if plan == "auto":
-        # from_pretrained(path, tp_plan="auto") before transformers 5.17, which deprecates it for this.
-        distributed = DistributedConfig(tp_plan="auto", tp_size=tp)
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=distributed, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **auto_plan(tp))
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
         parallelize_sequence(model, init_device_mesh(device.type, (tp,)))

@@ -9,7 +9,8 @@ patches anything in the process) and under ``apply_tigon``. The cases (examples/
 plans, patched after sharding):
 
 - ``auto``: ``tp_plan="auto"``; ``auto-checkpointing``: the same under non-reentrant gradient
-  checkpointing (where one process takes tigon's whole-MLP function);
+  checkpointing (where one process takes tigon's whole-MLP function); ``auto-model-loss``: with
+  tigon's cross entropy over logits asked for, which a sharded head leaves to the model's loss;
 - ``sequence-parallel``: torch's ``parallelize_module`` with sequence-parallel norms;
 - ``refusals``: placements tigon's layers cannot compute on shards, each error's type and message.
 
@@ -128,9 +129,11 @@ def main():
             records[case] = refusals(checkpoint, dist.get_world_size())
             continue
         plan = "sequence-parallel" if case == "sequence-parallel" else "auto"
-        model = train_tp.load_model(checkpoint, plan, dist.get_world_size(), DEVICE)
+        model = train_tp.load_model(checkpoint, plan, dist.get_world_size(), DEVICE, tigon=case != "auto-model-loss")
         if case == "auto-checkpointing":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if case == "auto-model-loss":
+            apply_tigon(model, cross_entropy=True, fused_linear_cross_entropy=False)
         records[case] = train(model)
     if dist.get_rank() == 0:
         torch.save(records, out)

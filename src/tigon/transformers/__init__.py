@@ -53,6 +53,7 @@ check_transformers_version(transformers.__version__)
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 from tigon.transformers import moe
+from tigon.transformers.causal_lm import ShardedHeadWarning
 from tigon.transformers.checkpointing import (
     CheckpointingPlan,
     fit_checkpointing,
@@ -117,6 +118,7 @@ __all__ = [
     "Norm",
     "PATCHERS",
     "Rope",
+    "ShardedHeadWarning",
     "UNPATCHERS",
     "apply_tigon",
     "export_kernels",
