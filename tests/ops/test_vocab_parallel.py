@@ -1,7 +1,7 @@
-"""The fused linear cross entropy and the log-probs head on an LM head sharded along the vocabulary
-(tigon.ops.vocab_parallel), in 2 and 4 gloo processes on CPU, against one process: tigon's op on
-the whole head and the fp64 reference, within 1e-5 in fp32, for the loss (or every log-probs
-field) and every gradient (input, each rank's weight and bias slices put together). Every rank must
+"""The fused linear cross entropy, the log-probs head and the GRPO family on an LM head sharded
+along the vocabulary (tigon.ops.vocab_parallel), in 2 and 4 gloo processes on CPU, against one
+process: tigon's op on the whole head and the fp64 reference, within 1e-5 in fp32, for the loss
+(every log-probs field, every GRPO metric) and every gradient (input, each rank's weight and bias slices put together). Every rank must
 get the whole loss. vocab_parallel_worker.py runs the ranks; each world size is one launch."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import tigon.functional as tf
 from tigon.testing import reference
 from utils import ON_GPU, relative_error
-from vocab_parallel_worker import CASES, FIELDS, call, loss_to_backward, problem
+from vocab_parallel_worker import CASES, FIELDS, call, grpo_constants, grpo_outputs, loss_to_backward, problem
 
 HERE = Path(__file__).resolve().parent
 WORLD_SIZES = (2, 4)
@@ -54,12 +54,20 @@ def results(tmp_path_factory):
 def one_process(name: str, double: bool):
     """The case on the whole head in one process: tigon's op, or the fp64 reference."""
     kind, _, bias, options = CASES[name]
+    options = {key: value for key, value in options.items() if key != "chunk_rows"}
     x, weight, b, target, upstream = problem(bias)
     if double:
         x, weight, b, upstream = (None if t is None else t.double() for t in (x, weight, b, upstream))
     leaves = [t.requires_grad_() if t is not None else None for t in (x, weight, b)]
     if double:
-        if kind == "flce":
+        if kind == "grpo":
+            constants = grpo_constants(bias, options.get("temperature", 1.0))
+            constants = {key: value.double() if value.is_floating_point() else value for key, value in constants.items()}
+            outputs = grpo_outputs(*reference.grpo_loss(
+                x, weight, constants.pop("completion_ids"), constants.pop("completion_mask"),
+                constants.pop("advantages"), b, **constants, **options,
+            ))
+        elif kind == "flce":
             outputs = reference.fused_linear_cross_entropy(x, weight, target, b, **options)
         else:
             outputs = reference.fused_linear_logprobs(x, weight, target, b, outputs=FIELDS, **options)

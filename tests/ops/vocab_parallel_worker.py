@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 import tigon.functional as tf
+from tigon.losses import fused_linear_grpo
+from tigon.testing import reference
 
 N_TOKENS, HIDDEN, VOCAB = (3, 13), 16, 101
 IGNORE_EVERY = 7
@@ -34,8 +36,10 @@ ALL_OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=3.0)
 LOGPROB_OPTIONS = dict(temperature=0.7, softcap=2.0, logit_scale=1.3)
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
-# name → (loss, api, bias, options): loss "flce" (fused_linear_cross_entropy) or "logprobs"
-# (fused_linear_logprobs, every field, with gradients from log_probs and entropy); api "group"
+# name → (loss, api, bias, options): loss "flce" (fused_linear_cross_entropy), "logprobs"
+# (fused_linear_logprobs, every field, with gradients from log_probs and entropy) or "grpo"
+# (fused_linear_grpo off-policy, the loss and every metric; "chunk_rows" sets its chunks: 26 holds
+# two whole completions, 10 less than one, so GSPO's and VESPO's losses take two passes); api "group"
 # (plain shards and process_group), "dtensor" (a DTensor weight, a plain input) or
 # "dtensor_input" (the input a DTensor placed Replicate(), its gradient Partial).
 CASES: dict[str, tuple[str, str, bool, dict]] = {
@@ -52,6 +56,11 @@ CASES: dict[str, tuple[str, str, bool, dict]] = {
     "logprobs-plain-group": ("logprobs", "group", False, {}),
     "logprobs-dtensor": ("logprobs", "dtensor", True, dict(LOGPROB_OPTIONS)),
     "logprobs-dtensor_input": ("logprobs", "dtensor_input", False, {}),
+    "grpo-dapo-kl-group": ("grpo", "group", True, dict(loss_type="dapo", beta=0.1, temperature=0.9)),
+    "grpo-gspo-dtensor": ("grpo", "dtensor", True, dict(loss_type="grpo", importance_sampling_level="sequence",
+                                                         chunk_rows=26)),
+    "grpo-gspo-two_pass-group": ("grpo", "group", False, dict(loss_type="grpo", importance_sampling_level="sequence")),
+    "grpo-vespo-dtensor_input": ("grpo", "dtensor_input", False, dict(loss_type="vespo", beta=0.05)),
 }
 
 
@@ -70,8 +79,34 @@ def problem(bias: bool, seed: int = 0):
     return x, weight, b, target, upstream
 
 
+def grpo_constants(bias: bool, temperature: float) -> dict:
+    """The GRPO loss's other inputs for :func:`problem`'s head: the completions' mask (the tokens
+    not ignored) and ids, one advantage per completion, old and reference log-probs near the
+    policy's (fp32)."""
+    x, weight, b, target, _ = problem(bias)
+    generator = torch.Generator().manual_seed(1)
+    mask = target != -100
+    with torch.no_grad():
+        logps = reference.fused_linear_logprobs(
+            x.double(), weight.double(), target, None if b is None else b.double(), temperature=temperature,
+        )[0]
+    return {
+        "completion_ids": torch.where(mask, target, 0), "completion_mask": mask,
+        "advantages": torch.tensor([1.0, -0.7, 0.4]),
+        "old_per_token_logps": (logps - 0.3 * torch.randn(logps.shape, generator=generator, dtype=logps.dtype)).float(),
+        "ref_per_token_logps": (logps + 0.2 * torch.randn(logps.shape, generator=generator, dtype=logps.dtype)).float(),
+    }
+
+
+def grpo_outputs(loss: torch.Tensor, metrics: dict) -> tuple:
+    """The loss and the metrics in the order of their names."""
+    return (loss, *(metrics[name] for name in sorted(metrics)))
+
+
 def loss_to_backward(kind: str, options: dict, outputs, upstream: torch.Tensor) -> torch.Tensor:
     """The scalar whose backward the case checks, from the op's ``outputs``."""
+    if kind == "grpo":
+        return outputs[0] * 0.75
     if kind == "logprobs":
         log_probs, entropy = outputs[:2]
         return (log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum()
@@ -80,6 +115,13 @@ def loss_to_backward(kind: str, options: dict, outputs, upstream: torch.Tensor) 
 
 
 def call(kind: str, x, weight, b, target, options: dict, **extra):
+    if kind == "grpo":
+        constants = grpo_constants(b is not None, options.get("temperature", 1.0))
+        ids = constants.pop("completion_ids")
+        if hasattr(target, "full_tensor"):  # a DTensor: the ids placed as it
+            ids = type(target).from_local(ids, target.device_mesh, target.placements)
+        return grpo_outputs(*fused_linear_grpo(x, weight, ids, advantages=constants.pop("advantages"), bias=b,
+                                               **constants, **options, **extra))
     if kind == "flce":
         return tf.fused_linear_cross_entropy(x, weight, target, b, **options, **extra)
     return tf.fused_linear_logprobs(x, weight, target, b, outputs=FIELDS, **options, **extra)
@@ -101,7 +143,8 @@ def run_case(kind, api, bias, options, rank, world_size, mesh):
     rows = shard_rows(world_size, rank, api)
     chunk_memory_bytes = CHUNK_ROWS * max(rows.stop - rows.start for rows in (
         shard_rows(world_size, r, api) for r in range(world_size))) * 4
-    options = dict(options, chunk_memory_bytes=chunk_memory_bytes)
+    options = dict(options)
+    options["chunk_memory_bytes"] = options.pop("chunk_rows", CHUNK_ROWS) * chunk_memory_bytes // CHUNK_ROWS
     if api == "group":
         weight_shard = weight[rows].clone().requires_grad_()
         bias_shard = None if b is None else b[rows].clone().requires_grad_()

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -58,8 +58,13 @@ from tigon._checks import (
     check_same_device,
     check_shape,
     check_tensor,
+    vocab_sharded_head,
 )
 from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
+from tigon.ops.vocab_parallel import vocab_shard
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["LOSS_TYPES", "FusedLinearGRPOLoss", "fused_linear_grpo"]
 
@@ -256,6 +261,7 @@ def fused_linear_grpo(
     temperature: float = 1.0, max_completion_length: int | None = None, sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, chunk_memory_bytes: int | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss of the module docstring → ``(loss, metrics)``.
 
@@ -273,6 +279,10 @@ def fused_linear_grpo(
         num_items_in_batch: the step's active tokens for ``dapo``/``cispo`` (int or tensor), or ``None``.
         chunk_memory_bytes: logits memory per chunk (default 512 MiB, see
             :func:`tigon.ops.fused_linear.chunk_rows_for`), for completions of any length.
+        process_group: ``weight`` (and ``bias``) this rank's shard of an LM head sharded along the
+            vocabulary, as in :func:`tigon.functional.fused_linear_cross_entropy`, which also takes
+            ``weight`` as a DTensor placed ``(Shard(0),)`` (and ``input`` and ``completion_ids``
+            as DTensors placed ``Replicate()``). Every rank gets the whole loss and metrics.
     The mask, advantages, old and reference log-probs, ``num_items_in_batch`` and the options are
     constants of the loss: given as tensors that require grad (with grad mode on), they are refused.
     Returns: the fp32 scalar loss, and a dict of detached fp32 scalars: ``entropy`` (mean over
@@ -291,8 +301,12 @@ def fused_linear_grpo(
         loss_type=loss_type, importance_sampling_level=importance_sampling_level,
         max_completion_length=max_completion_length, **as_floats,
     )
+    sharded = vocab_sharded_head(input, weight, bias, completion_ids, process_group, "completion_ids")
+    if sharded is not None:
+        input, weight, bias, completion_ids, group, reduce_grad_input = sharded
     _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                 ref_per_token_logps, num_items_in_batch, options)
+    shard = None if sharded is None else vocab_shard(weight, completion_ids.numel(), group, reduce_grad_input)
     mask = completion_mask.bool()
     target = torch.where(mask, completion_ids, IGNORE_INDEX)
     ids = torch.where(mask, completion_ids, 0)
@@ -324,7 +338,7 @@ def fused_linear_grpo(
 
     loss, log_probs, entropy = fused_linear_logprob_loss(
         input, weight, target, bias, loss_share, split, IGNORE_INDEX, options.temperature, chunk_memory_bytes,
-        ids=("completion_ids", ids),
+        ids=("completion_ids", ids), shard=shard,
     )
     logps = log_probs.double()
     metrics = _metrics(logps, entropy.double(), logps if old is None else old, ref, advantages64, mask, options)
@@ -358,11 +372,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         self, input: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
         advantages: torch.Tensor, *, bias: torch.Tensor | None = None, old_per_token_logps: torch.Tensor | None = None,
         ref_per_token_logps: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+        process_group: ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return fused_linear_grpo(
             input, weight, completion_ids, completion_mask, advantages, bias=bias,
             old_per_token_logps=old_per_token_logps, ref_per_token_logps=ref_per_token_logps,
-            num_items_in_batch=num_items_in_batch, **self.options,
+            num_items_in_batch=num_items_in_batch, process_group=process_group, **self.options,
         )
 
     def extra_repr(self) -> str:

@@ -68,10 +68,19 @@ from tigon.ops.cross_entropy import (
     softcapped,
     store_zero_row,
     target_bounds,
+    transform_args,
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
 from tigon.ops.fused_linear_preference import scaled_grads
+from tigon.ops.vocab_parallel import (
+    N_STATS,
+    VocabShard,
+    finish_grad_input,
+    launch_grad,
+    logprob_fields,
+    logprob_grad_terms,
+)
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -232,13 +241,6 @@ def logprobs_bwd_kernel(
             )
 
 
-def _transform_args(temperature: float, softcap: float | None, logit_scale: float) -> dict:
-    return {
-        "logit_scale": logit_scale, "softcap": 1.0 if softcap is None else softcap,
-        "inv_temperature": 1.0 / temperature, "HAS_SOFTCAP": softcap is not None,
-    }
-
-
 def launch_logprobs_fwd(logits, target, outputs, grad, ignore_index, temperature, softcap, logit_scale):
     """Write the per-row fields ``outputs`` (``log_prob, lse, entropy, log_sum_sq, mean_logit,
     is_top1``: ``[C]`` tensors, ``None`` where not wanted) of ``logits [C, V]`` (unit column
@@ -250,7 +252,7 @@ def launch_logprobs_fwd(logits, target, outputs, grad, ignore_index, temperature
         logits, target, log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1, grad,
         n_rows, n_cols,
         logits.stride(0), target.stride(0), 0 if grad is None else grad.stride(0),
-        ignore_index, **_transform_args(temperature, softcap, logit_scale),
+        ignore_index, **transform_args(temperature, softcap, logit_scale),
         STORE_ENTROPY=entropy is not None, STORE_LOG_SUM_SQ=log_sum_sq is not None,
         STORE_MEAN_LOGIT=mean_logit is not None, STORE_IS_TOP1=is_top1 is not None, COMPUTE_GRAD=grad is not None,
         BLOCK_V=block_v, num_warps=num_warps,
@@ -267,7 +269,7 @@ def launch_logprobs_bwd(logits, target, lse, entropy, grad_log_prob, grad_entrop
         logits, target, lse, entropy, grad_log_prob, grad_entropy,
         n_rows, n_cols,
         logits.stride(0), target.stride(0),
-        ignore_index, **_transform_args(temperature, softcap, logit_scale),
+        ignore_index, **transform_args(temperature, softcap, logit_scale),
         HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_V=block_v, num_warps=num_warps,
     )
 
@@ -524,15 +526,21 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
     Backward scales the saved gradients by ``grad_output`` in place (so it runs once per forward).
     Also returns the per-token log-probs and entropies (fp32 ``[S, T]``, not differentiable) for
-    metrics."""
+    metrics.
+
+    With ``shard`` (:class:`~tigon.ops.vocab_parallel.VocabShard`), ``weight`` and ``bias`` are
+    this rank's slice of a head sharded along the vocabulary: each chunk's log-probs come from the
+    ranks' statistics (one all-gather per chunk), so every rank computes the same loss and
+    ``dL/dlogp``, and its own slice's ``dlogits``; the input's gradient is all-reduced."""
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature,
-                chunk_memory_bytes, needs):
+                chunk_memory_bytes, needs, shard: VocabShard | None = None):
         n_sequences, seq_len = target.shape
         x2d, target_rows = as_rows(input), target.reshape(-1)
         n_rows = target_rows.numel()
-        chunk_rows = chunk_rows_for(n_rows, weight.shape[0], x2d.element_size(), chunk_memory_bytes)
+        vocab_rows = weight.shape[0] if shard is None else shard.max_shard
+        chunk_rows = chunk_rows_for(n_rows, vocab_rows, x2d.element_size(), chunk_memory_bytes)
         two_pass = not split_sequences and seq_len > chunk_rows
         if not (split_sequences or two_pass):
             chunk_rows -= chunk_rows % max(seq_len, 1)
@@ -544,13 +552,17 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         transform = (ignore_index, temperature, None, 1.0)
         ones = torch.ones(min(chunk_rows, n_rows), dtype=torch.float32, device=input.device)
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
+        if shard is not None:
+            stats = x2d.new_empty((min(chunk_rows, n_rows), N_STATS), dtype=torch.float32)
+            sharded_transform = transform_args(temperature, None, 1.0)
 
         def logprobs_head(ranges, logits):
             rows = slice(*ranges[0])
-            launch_logprobs_fwd(
-                logits, target_rows[rows], [log_prob[rows], lse[rows], entropy[rows], None, None, None], None,
-                *transform,
-            )
+            fields = [log_prob[rows], lse[rows], entropy[rows], None, None, None]
+            if shard is None:
+                launch_logprobs_fwd(logits, target_rows[rows], fields, None, *transform)
+            else:
+                logprob_fields(logits, target_rows[rows], stats, shard, ignore_index, sharded_transform, fields)
 
         def add_share(rows):
             """Adds the loss of the tokens ``rows`` to ``loss``; → their fp32 ``dL/dlogp``, or ``None``."""
@@ -567,7 +579,14 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
             # dlogits of the log-probs themselves (onehot − p), each row's dL/dlogp applied by the
             # chunk loop in fp32 as row_scale: dL/dlogp is ~1/tokens, and folded into 16-bit
             # dlogits it would flush p·dL/dlogp (~1e-8 for a flat softmax) to zero in fp16.
-            launch_logprobs_bwd(logits, target_rows[rows], lse[rows], None, ones[: logits.shape[0]], None, *transform)
+            chunk_ones = ones[: logits.shape[0]]
+            if shard is None:
+                launch_logprobs_bwd(logits, target_rows[rows], lse[rows], None, chunk_ones, None, *transform)
+            else:
+                launch_grad(
+                    logits, target_rows[rows], logprob_grad_terms(lse[rows], chunk_ones), shard, ignore_index,
+                    sharded_transform,
+                )
 
         def loss_head(ranges, logits):
             rows = slice(*ranges[0])
@@ -594,6 +613,8 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
                     x2d, weight, bias, chunks[-1:] + chunks[:-1], recomputed_grad_head, grad_input, grad_weight,
                     grad_bias, logits_buffer=logits_buffer, first_chunk_computed=True,
                 )
+        if shard is not None:
+            finish_grad_input(grad_input, shard)
         ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
         ctx.needs, ctx.input_shape = needs, input.shape
         log_prob, entropy = log_prob.view(n_sequences, seq_len), entropy.view(n_sequences, seq_len)
@@ -603,25 +624,26 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob, grad_entropy):
         grad_input, grad_weight, grad_bias = scaled_grads(ctx.saved_tensors, ctx.needs, grad_loss, ctx.input_shape)
-        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None, None
 
 
 def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, split_sequences: bool,
                               ignore_index: int, temperature: float, chunk_memory_bytes: int | None,
-                              ids: tuple[str, torch.Tensor] | None = None):
+                              ids: tuple[str, torch.Tensor] | None = None, shard: VocabShard | None = None):
     """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
     entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over the chunks of
     :class:`FusedLinearLogprobLossFunction` (``split_sequences``: chunks may split a sequence);
     inputs validated by :mod:`tigon.losses`, the targets' range here, once the kernels are queued:
     of ``target`` less ``ignore_index``, or, with ``ids = (name, tensor)``, of every entry of the
-    caller's ``tensor`` (the ids ``target`` was made from), reported as ``name``."""
+    caller's ``tensor`` (the ids ``target`` was made from), reported as ``name``. With ``shard``,
+    ``weight`` and ``bias`` are this rank's slice of a vocabulary-parallel head."""
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
     name, checked, checked_ignore = ("target", target, ignore_index) if ids is None else (*ids, None)
     bounds = target_bounds(checked, checked_ignore)
     result = FusedLinearLogprobLossFunction.apply(
         input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature, chunk_memory_bytes,
-        needs,
+        needs, shard,
     )
-    check_target_bounds(bounds, weight.shape[0], checked_ignore, name)
+    check_target_bounds(bounds, weight.shape[0] if shard is None else shard.vocab_size, checked_ignore, name)
     return result

@@ -58,6 +58,7 @@ from tigon.ops.cross_entropy import (
     softcapped,
     store_zero_row,
     target_bounds,
+    transform_args,
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, mean_scales, new_grads, row_chunks
@@ -259,13 +260,6 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _transform_args(temperature: float, softcap: float | None, logit_scale: float) -> dict:
-    return {
-        "logit_scale": logit_scale, "softcap": 1.0 if softcap is None else softcap,
-        "inv_temperature": 1.0 / temperature, "HAS_SOFTCAP": softcap is not None,
-    }
-
-
 def launch_stats(logits, target, stats, shard: VocabShard, ignore_index, transform, sum_z=False, entropy=False,
                  sum_sq=False, top1=False):
     """``stats [C, N_STATS]`` fp32 ← the statistics of each row of the local ``logits [C, V_r]``;
@@ -351,7 +345,7 @@ def _valid_rows(target: torch.Tensor, vocab_size: int, ignore_index: int) -> tor
     return (target != ignore_index) & (target >= 0) & (target < vocab_size)
 
 
-def _finish_grads(grad_input, shard: VocabShard) -> None:
+def finish_grad_input(grad_input, shard: VocabShard) -> None:
     """The input's gradient summed over the ranks' slices, when the op reduces it."""
     if grad_input is not None and shard.reduce_grad_input:
         dist.all_reduce(grad_input, group=shard.group)
@@ -397,7 +391,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         z_loss = torch.empty_like(loss)
         lse = torch.empty_like(loss)
         stats = x2d.new_empty((min(chunk_rows, n_rows), N_STATS), dtype=torch.float32)
-        transform = _transform_args(1.0, softcap, 1.0)
+        transform = transform_args(1.0, softcap, 1.0)
         smoothing = label_smoothing > 0.0
 
         def cross_entropy_head(ranges, logits):
@@ -423,7 +417,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             x2d, weight, bias, row_chunks(n_rows, chunk_rows), cross_entropy_head, grad_input, grad_weight,
             grad_bias, matmul_scale,
         )
-        _finish_grads(grad_input, shard)
+        finish_grad_input(grad_input, shard)
         if reduction == "none":
             ctx.save_for_backward(x2d, weight, target, bias, lse)
         else:
@@ -460,7 +454,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
 
             fused_linear_chunks(x2d, weight, bias, row_chunks(x2d.shape[0], ctx.chunk_rows), cross_entropy_grad_head,
                                 *grads)
-            _finish_grads(grads[0], shard)
+            finish_grad_input(grads[0], shard)
             grads = (*grads[:2], None if grads[2] is None else grads[2].to(bias.dtype))
         grad_input, grad_weight, grad_bias = _grads_or_none(grads, ctx.needs, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, *(None,) * 9
@@ -482,6 +476,44 @@ def fused_linear_cross_entropy(input, weight, target, bias, shard: VocabShard, i
     return shaped_losses(loss, z_loss, target, reduction, return_z_loss)
 
 
+def logprob_fields(logits, target, stats, shard: VocabShard, ignore_index, transform, fields) -> None:
+    """Write the rows' ``fields`` (``log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1``:
+    ``[C]`` tensors, ``None`` where not wanted) over the whole vocabulary, from this rank's
+    ``logits [C, V_r]``: its statistics into ``stats [≥ C, N_STATS]``, the chunk's all-gather,
+    the combination. Ignored rows get 0 (and any ``lse``)."""
+    log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1 = fields
+    asked = {
+        "sum_z": mean_logit is not None, "entropy": entropy is not None, "sum_sq": log_sum_sq is not None,
+        "top1": is_top1 is not None,
+    }
+    chunk_stats = stats[: logits.shape[0]]
+    launch_stats(logits, target, chunk_stats, shard, ignore_index, transform, **asked)
+    row = combined_stats(chunk_stats, shard.group, **asked)
+    valid = _valid_rows(target, shard.vocab_size, ignore_index)
+    log_prob.copy_(torch.where(valid, row.log_prob, 0.0))
+    lse.copy_(row.lse)
+    for out, value in ((entropy, row.entropy), (log_sum_sq, row.log_sum_sq), (is_top1, row.is_top1)):
+        if out is not None and value is not None:
+            out.copy_(torch.where(valid, value, torch.zeros((), dtype=value.dtype)))
+    if mean_logit is not None and row.sum_z is not None:
+        mean_logit.copy_(torch.where(valid, row.sum_z / shard.vocab_size, 0.0))
+
+
+def logprob_grad_terms(lse, grad_log_prob=None, grad_entropy=None, entropy=None) -> torch.Tensor:
+    """``[C, N_TERMS]`` of the log-probs' gradient for the upstream ``g = grad_log_prob`` and
+    ``h = grad_entropy`` (``[C]``, ``None`` for 0): dL/dz = g·([j = t] − p) − h·p·(log p + H),
+    so ``a = c = −g``."""
+    terms = lse.new_zeros((lse.shape[0], N_TERMS))
+    terms[:, TERM_LSE.value] = lse
+    if grad_log_prob is not None:
+        terms[:, TERM_PROB.value] = -grad_log_prob.reshape(-1).float()
+        terms[:, TERM_TARGET.value] = terms[:, TERM_PROB.value]
+    if grad_entropy is not None:
+        terms[:, TERM_ENTROPY_GRAD.value] = grad_entropy.reshape(-1).float()
+        terms[:, TERM_ENTROPY.value] = entropy
+    return terms
+
+
 class VocabParallelLogprobsFunction(torch.autograd.Function):
     """As :class:`~tigon.ops.fused_linear_logprobs.FusedLinearLogprobsFunction` on a vocabulary
     shard, always with a recomputing backward (``8·N·H·V / tp`` matmul FLOPs per rank): it saves
@@ -500,27 +532,20 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
         def field(wanted, dtype=torch.float32):
             return x2d.new_empty(n_rows if wanted else 0, dtype=dtype)
 
-        log_prob, lse = field(True), field(True)
-        entropy, log_sum_sq, mean_logit = field(store_entropy), field(store_log_sum_sq), field(store_mean_logit)
-        is_top1 = field(store_is_top1, torch.bool)
+        fields = [
+            field(True), field(True), field(store_entropy), field(store_log_sum_sq), field(store_mean_logit),
+            field(store_is_top1, torch.bool),
+        ]
+        log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1 = fields
         stats = x2d.new_empty((min(chunk_rows, n_rows), N_STATS), dtype=torch.float32)
-        transform = _transform_args(temperature, softcap, logit_scale)
-        asked = dict(sum_z=store_mean_logit, entropy=store_entropy, sum_sq=store_log_sum_sq, top1=store_is_top1)
+        transform = transform_args(temperature, softcap, logit_scale)
 
         def logprobs_head(ranges, logits):
-            ((start, end),) = ranges
-            rows = slice(start, end)
-            chunk_stats = stats[: end - start]
-            launch_stats(logits, target[rows], chunk_stats, shard, ignore_index, transform, **asked)
-            row = combined_stats(chunk_stats, shard.group, **asked)
-            valid = _valid_rows(target[rows], shard.vocab_size, ignore_index)
-            log_prob[rows] = torch.where(valid, row.log_prob, 0.0)
-            lse[rows] = row.lse
-            for out, value in ((entropy, row.entropy), (log_sum_sq, row.log_sum_sq), (is_top1, row.is_top1)):
-                if value is not None:
-                    out[rows] = torch.where(valid, value, torch.zeros((), dtype=value.dtype))
-            if row.sum_z is not None:
-                mean_logit[rows] = torch.where(valid, row.sum_z / shard.vocab_size, 0.0)
+            rows = slice(*ranges[0])
+            logprob_fields(
+                logits, target[rows], stats, shard, ignore_index, transform,
+                [None if field.numel() == 0 else field[rows] for field in fields],
+            )
 
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
         fused_linear_chunks(x2d, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head,
@@ -539,22 +564,13 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
             return (None,) * 13
         ignore_index, transform = ctx.options
         shard = ctx.shard
-        # dL/dz = g·([j = t] − p) − h·p·(log p + H): a = c = −g.
-        terms = lse.new_zeros((lse.shape[0], N_TERMS))
-        terms[:, TERM_LSE.value] = lse
-        if grad_log_prob is not None:
-            terms[:, TERM_PROB.value] = -grad_log_prob.reshape(-1).float()
-            terms[:, TERM_TARGET.value] = terms[:, TERM_PROB.value]
-        has_entropy_grad = grad_entropy is not None
-        if has_entropy_grad:
-            terms[:, TERM_ENTROPY_GRAD.value] = grad_entropy.reshape(-1).float()
-            terms[:, TERM_ENTROPY.value] = entropy
+        terms = logprob_grad_terms(lse, grad_log_prob, grad_entropy, entropy)
         grads = new_grads(x2d, weight, *ctx.needs)
 
         def logprobs_grad_head(ranges, logits):
             rows = slice(*ranges[0])
             launch_grad(logits, target[rows], terms[rows], shard, ignore_index, transform,
-                        entropy_grad=has_entropy_grad)
+                        entropy_grad=grad_entropy is not None)
 
         chunks = row_chunks(x2d.shape[0], ctx.chunk_rows)
         with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
@@ -562,7 +578,7 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
                 x2d, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, *grads,
                 logits_buffer=logits_buffer, first_chunk_computed=True,
             )
-        _finish_grads(grads[0], shard)
+        finish_grad_input(grads[0], shard)
         grads = (*grads[:2], None if grads[2] is None else grads[2].to(bias.dtype))
         grad_input, grad_weight, grad_bias = _grads_or_none(grads, ctx.needs, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, *(None,) * 9
@@ -573,7 +589,7 @@ def fused_linear_logprobs(input, weight, target, bias, shard: VocabShard, ignore
     """:func:`tigon.ops.fused_linear_logprobs.fused_linear_logprobs` with ``weight`` (and
     ``bias``) this rank's shard of the vocabulary ``shard``: the five fields, each
     ``target``-shaped, ``None`` unless in ``outputs``."""
-    from tigon.ops.fused_linear_logprobs import FIELDS
+    from tigon.ops.fused_linear_logprobs import FIELDS  # that module imports this one
 
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
