@@ -6,9 +6,10 @@ group, one import of everything); a launch's plain runs come before its patched 
 
     python expert_parallel_worker.py CHECKPOINTS RUNS.json OUT_DIR
     RUNS.json: {"name": {"model": "qwen3_moe" | ..., "parallel": "none" | "ep" | "tp",
-                         "tigon": "none" | "experts" | "apply"}, ...}
+                         "tigon": "none" | "experts" | "apply", "checkpointing": false}, ...}
 
-``model``: the checkpoint ``CHECKPOINTS/<model>``.
+``model``: the checkpoint ``CHECKPOINTS/<model>``. ``checkpointing``: Hugging Face's gradient
+checkpointing (non-reentrant), whose recomputed experts forward runs transformers' hooks again.
 ``parallel``: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=WORLD_SIZE,
 enable_expert_parallel=...))`` over every process, ``"ep"`` with expert parallelism, ``"tp"``
 without. ``tigon``: ``"experts"`` loads with ``experts_implementation="tigon"`` (the experts
@@ -75,6 +76,8 @@ def load(checkpoints: Path, run: dict, world_size: int):
     model = AutoModelForCausalLM.from_pretrained(checkpoints / run["model"], dtype=torch.float32, **options)
     if run["tigon"] == "apply":
         model = apply_tigon(model)
+    if run["checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 

@@ -7,7 +7,7 @@ for three SGD steps (expert_parallel_worker.py) with the losses, every parameter
 every step and the final parameters of one process, within 1e-5 in fp32:
 
 - on 2 and 4 processes with ``apply_tigon``, against one process with ``apply_tigon`` and against
-  transformers' own experts on the same processes;
+  transformers' own experts on the same processes; on 2 with gradient checkpointing as well;
 - on 2 processes with transformers' tensor parallelism of the experts (``tp_plan`` "auto": every
   expert's intermediate features sharded), tigon's experts alone, against one process.
 
@@ -46,10 +46,11 @@ class Run:
     parallel: str = "none"  # "none" | "ep" | "tp"
     tigon: str = "none"  # "none" | "experts" | "apply"
     model: str = "qwen3_moe"
+    checkpointing: bool = False
 
     @property
     def settings(self) -> dict:
-        return {"model": self.model, "parallel": self.parallel, "tigon": self.tigon}
+        return dataclasses.asdict(self)
 
 
 RUNS = {
@@ -57,6 +58,7 @@ RUNS = {
     "one-tigon": Run(1, tigon="apply"),
     "ep2": Run(2, "ep"),
     "ep2-tigon": Run(2, "ep", "apply"),
+    "ep2-tigon-checkpointing": Run(2, "ep", "apply", checkpointing=True),
     "tp2-tigon-experts": Run(2, "tp", "experts"),
     "ep4": Run(4, "ep"),
     "ep4-tigon": Run(4, "ep", "apply"),
@@ -140,7 +142,7 @@ def assert_same_training(actual: dict, truth: dict):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, truth", [
     ("ep2", "one"), ("ep4", "one"),
-    ("ep2-tigon", "one-tigon"), ("ep4-tigon", "one-tigon"),
+    ("ep2-tigon", "one-tigon"), ("ep4-tigon", "one-tigon"), ("ep2-tigon-checkpointing", "one-tigon"),
     ("ep2-tigon", "ep2"), ("ep4-tigon", "ep4"),
     ("tp2-tigon-experts", "one"),
     ("gpt_oss-ep2-tigon", "gpt_oss-one-tigon"), ("gpt_oss-ep2-tigon", "gpt_oss-ep2"),
