@@ -118,12 +118,15 @@ def _op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate
                                         gate_up_bias, down_bias, gate, transposed, interleaved, 1.702, 7.0)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(str(v) for v in layout))
-def test_dropped_slots_add_nothing_and_get_no_gradient(layout):
+@pytest.mark.parametrize("shape, layout", [
+    *((SHAPES[0], layout) for layout in LAYOUTS),
+    ((37, 32, 24, 1, 1), LAYOUTS[0]),  # one expert on this rank: every slot kept or dropped
+], ids=lambda value: "-".join(str(v) for v in value))
+def test_dropped_slots_add_nothing_and_get_no_gradient(shape, layout):
     """Slots routed to id E (expert parallelism's slots of another rank's experts) add nothing to
     the output or to any gradient, and their weights' gradient is 0. Uninitialised memory is
     NaN here (deterministic mode), so a row that no kernel writes shows."""
-    inputs = _experts(SHAPES[0], torch.float32, layout)
+    inputs = _experts(shape, torch.float32, layout)
     n_experts = inputs["gate_up_proj"].shape[0]
     index = inputs["top_k_index"]
     dropped = torch.rand(index.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE) < 0.5
