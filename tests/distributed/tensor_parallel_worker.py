@@ -9,9 +9,11 @@ patches anything in the process) and under ``apply_tigon``. The cases (examples/
 plans, patched after sharding):
 
 - ``auto``: ``tp_plan="auto"``; ``auto-checkpointing``: the same under non-reentrant gradient
-  checkpointing (where one process takes tigon's whole-MLP function); ``auto-model-loss``: with
-  tigon's cross entropy over logits asked for, which a sharded head leaves to the model's loss;
+  checkpointing (where one process takes tigon's whole-MLP function); ``auto-cross-entropy``:
+  tigon's cross entropy over the logits the plan gathers; ``auto-replicated-head``: lm_head's
+  weight a replicated DTensor, which leaves the loss to the model;
 - ``sequence-parallel``: torch's ``parallelize_module`` with sequence-parallel norms;
+  ``sequence-parallel-patched-first``: the same plan applied to a model tigon patched before;
 - ``refusals``: placements tigon's layers cannot compute on shards, each error's type and message.
 
 A training record holds every step's loss, every parameter's whole gradient (a DTensor's gathered
@@ -80,6 +82,24 @@ def reference(checkpoint: str) -> dict:
     return records
 
 
+def build(checkpoint: str, case: str, tp: int):
+    """The checkpoint's model sharded and patched as ``case`` says."""
+    if case == "sequence-parallel-patched-first":
+        model = apply_tigon(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32))
+        model.config.use_cache = False
+        return train_tp.parallelize_sequence(model, init_device_mesh("cpu", (tp,))).train()
+    plan = "sequence-parallel" if case == "sequence-parallel" else "auto"
+    model = train_tp.load_model(checkpoint, plan, tp, DEVICE, tigon=False)
+    if case == "auto-checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case == "auto-replicated-head":
+        head = model.lm_head
+        head.weight = torch.nn.Parameter(head.weight.redistribute(placements=[Replicate()]))
+    if case == "auto-cross-entropy":
+        return apply_tigon(model, cross_entropy=True, fused_linear_cross_entropy=False)
+    return apply_tigon(model)
+
+
 def refusals(checkpoint: str, tp: int) -> dict:
     """Each refused placement's ``(error type, message)``, from a patched model's layers."""
     mesh = init_device_mesh("cpu", (tp,))
@@ -128,13 +148,7 @@ def main():
         if case == "refusals":
             records[case] = refusals(checkpoint, dist.get_world_size())
             continue
-        plan = "sequence-parallel" if case == "sequence-parallel" else "auto"
-        model = train_tp.load_model(checkpoint, plan, dist.get_world_size(), DEVICE, tigon=case != "auto-model-loss")
-        if case == "auto-checkpointing":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if case == "auto-model-loss":
-            apply_tigon(model, cross_entropy=True, fused_linear_cross_entropy=False)
-        records[case] = train(model)
+        records[case] = train(build(checkpoint, case, dist.get_world_size()))
     if dist.get_rank() == 0:
         torch.save(records, out)
     dist.barrier()

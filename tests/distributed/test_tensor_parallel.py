@@ -6,8 +6,8 @@ sharded by examples/train_tp.py's plans and patched after: transformers' ``tp_pl
 rank's columns, its RoPE on the rank's heads), the same under gradient checkpointing, and torch's
 ``parallelize_module`` with sequence-parallel norms (tigon's RMSNorm on ``Shard(1)`` DTensors, its
 weight gradient summed over the ranks). The loss is tigon's vocabulary-parallel fused loss on the
-sharded lm_head (or, where tigon's cross entropy over logits is asked for, the model's own, with a
-warning). Every step's loss and every parameter's gradient (gathered whole) must match one
+sharded lm_head (tigon's cross entropy over the gathered logits where asked for; the model's own,
+with a warning, for a head left a replicated DTensor). Every step's loss and every parameter's gradient (gathered whole) must match one
 process, patched and plain, within 1e-5 in fp32. Placements that tigon cannot compute on shards
 are refused with an error naming them.
 
@@ -32,7 +32,10 @@ import train_tp  # noqa: E402
 
 LAUNCHES = {
     "one": ["reference"],
-    "2": ["auto", "auto-checkpointing", "auto-model-loss", "sequence-parallel", "refusals"],
+    "2": [
+        "auto", "auto-checkpointing", "auto-cross-entropy", "auto-replicated-head", "sequence-parallel",
+        "sequence-parallel-patched-first", "refusals",
+    ],
     "4": ["auto", "sequence-parallel"],
 }
 RUNS = [(tp, case) for tp in ("2", "4") for case in LAUNCHES[tp] if case != "refusals"]
@@ -66,12 +69,10 @@ def records(tmp_path_factory) -> dict:
 def test_matches_one_process(records, tp, case, reference):
     run, truth = records[tp][case], records["one"][reference]
     assert run["classes"] == records["one"]["tigon"]["classes"] == ["TigonLlamaMLP", "TigonLlamaRMSNorm"]
-    if case == "auto-model-loss":
-        # Cross entropy over logits: the sharded head's loss is the model's, said once.
-        assert not run["fused_loss"] and run["warnings"] == ["ShardedHeadWarning"]
-    else:
-        assert run["fused_loss"], "the loss was not tigon's (logits were returned)"
-        assert run["warnings"] == [], "tigon warned: a layer or the loss was left to Hugging Face"
+    # Logits are returned where the loss is over them: tigon's cross entropy, or the model's own
+    # where tigon leaves a replicated DTensor head to it (saying so once).
+    assert run["fused_loss"] == (case not in ("auto-cross-entropy", "auto-replicated-head"))
+    assert run["warnings"] == (["ShardedHeadWarning"] if case == "auto-replicated-head" else [])
     assert run["losses"] == pytest.approx(truth["losses"], rel=TOLERANCE)
     for step, (grads, true_grads) in enumerate(zip(run["grads"], truth["grads"], strict=True)):
         assert grads.keys() == true_grads.keys()

@@ -16,9 +16,10 @@ ahead of all others, and reshards them after its forward when ``lm_head`` is a u
 during the model's forward and registers it with the module running, whose backward gathers it
 again; DDP and one process see the plain weight anyway. The fused loss computes the weight's
 gradient in the forward pass, so backward never needs the weight gathered again. Under tensor
-parallelism the weight is a DTensor sharded along the vocabulary (``tp_plan="auto"``, torch's
-``ColwiseParallel``): the loss is then vocabulary-parallel, each rank over its slice, and any other
-DTensor head is left to the model's own loss with a :class:`ShardedHeadWarning`.
+parallelism the weight stays a DTensor there: sharded along the vocabulary (``tp_plan="auto"``,
+torch's ``ColwiseParallel``), the loss is vocabulary-parallel, each rank over its slice; any other
+DTensor head (and, with ``cross_entropy=True``, DTensor logits) leaves the loss to the model's own
+``loss_function``, with a :class:`ShardedHeadWarning`.
 
 The loss is computed as Hugging Face's ``ForCausalLMLoss`` does, with the same options, from
 those hidden states and ``lm_head``'s weight by tigon's fused linear cross entropy (or, with
@@ -81,7 +82,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     def tigon_forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs)
         labels = call.arguments.get("labels")
-        if labels is None or not self.training or _loss_left_to_model(self, family, loss):
+        if labels is None or not self.training:
             return forward(self, *args, **kwargs)
 
         loss_kwargs = call.arguments.setdefault(extra_kwargs, {})
@@ -118,10 +119,20 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
         else:
             output = forward(*call.args, **call.kwargs)
             logits = output.logits
-            targets = targets.to(logits.device)
-            loss_value = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+            loss_value = None
+            if not _left_to_model(family, "logits", logits, "tigon's cross entropy takes whole logits"):
+                targets = targets.to(logits.device)
+                loss_value = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
-        if num_items_in_batch is not None:
+        fused = loss == "fused_linear_cross_entropy" and loss_value is not None
+        if loss_value is None:
+            # A tensor-parallel head or logits tigon does not take: the model's loss, as its forward computes it.
+            loss_kwargs.pop("return_dict")
+            loss_value = self.loss_function(
+                logits=output.logits, labels=labels, vocab_size=self.config.get_text_config().vocab_size,
+                **loss_kwargs,
+            )
+        elif num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss_value.device)
             loss_value = loss_value / num_items_in_batch
@@ -131,7 +142,7 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
             loss_value = loss_value + coefficient * aux_loss.to(loss_value.device)
 
         fields = dict(output, loss=loss_value)
-        if loss == "fused_linear_cross_entropy":
+        if fused:
             fields.pop("logits")  # the [B, 0, V] (or [B, 1, V]) the head was given to compute
         output = type(output)(**fields)
         return output if return_dict else output.to_tuple()
@@ -141,39 +152,30 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
 
 
 class ShardedHeadWarning(UserWarning):
-    """The model's ``lm_head`` weight is a DTensor that tigon's loss does not take: the model
-    computes its own loss (from the logits its tensor-parallel plan builds)."""
+    """The model's ``lm_head`` weight (or, with ``cross_entropy=True``, its logits) is a DTensor
+    that tigon's loss does not take: the model computes its own loss, from the logits its
+    tensor-parallel plan builds; tigon gathers nothing."""
 
 
 _warned_sharded_head = False
 
 
-def _loss_left_to_model(model, family: Family, loss: str) -> bool:
-    """Whether ``model``'s ``lm_head`` weight is a DTensor (a tensor-parallel plan's) that tigon's
-    ``loss`` leaves to the model, warning once per process. The fused loss takes a head sharded
-    along the vocabulary (``(Shard(0),)`` on a 1-D mesh, as ``tp_plan="auto"`` and torch's
-    ``ColwiseParallel`` shard it): each rank computes its slice's logits and a few statistics per
-    token are combined (:func:`tigon.functional.fused_linear_cross_entropy`). Any other placement,
-    and the cross entropy over logits, are left to the model's own loss, as its plan computes it:
-    tigon gathers nothing."""
+def _left_to_model(family: Family, name: str, tensor: torch.Tensor, takes: str) -> bool:
+    """Whether ``tensor`` (the head's ``weight``, or the ``logits``) is a DTensor that tigon's loss
+    does not take, which leaves the loss to the model (warning once per process)."""
     global _warned_sharded_head
-    weight = getattr(model.get_output_embeddings(), "weight", None)
-    if not isinstance(weight, DTensor):
+    if not isinstance(tensor, DTensor):
         return False
-    vocab_sharded = weight.device_mesh.ndim == 1 and tuple(weight.placements) == (Shard(0),)
-    if loss == "fused_linear_cross_entropy" and vocab_sharded:
+    if name == "weight" and tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),):
         return False
     if not _warned_sharded_head:
         _warned_sharded_head = True
-        takes = (
-            "tigon's cross entropy takes whole logits" if loss == "cross_entropy"
-            else "tigon's fused loss takes a head sharded along the vocabulary, (Shard(0),) on a 1-D mesh"
-        )
         warnings.warn(
-            f"tigon: {family.head}'s lm_head weight is a DTensor placed {tuple(weight.placements)} on a "
-            f"{weight.device_mesh.ndim}-D mesh and {takes}: the model computes its own loss (tigon's layers still run)",
+            f"tigon: {family.head}'s {'lm_head weight' if name == 'weight' else name}, a DTensor placed "
+            f"{tuple(tensor.placements)} on a {tensor.device_mesh.ndim}-D mesh, and {takes}: the model computes "
+            "its own loss (tigon's layers still run)",
             ShardedHeadWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
     return True
 
@@ -193,10 +195,16 @@ def output_embeddings(model, family: Family):
 
 
 def hook_head_loss(head: torch.nn.Module) -> None:
-    """Register, once, the pre-hook through which the wrapped forward gets ``head``'s loss."""
+    """Register, once, the pre-hook through which the wrapped forward gets ``head``'s loss, and
+    keep it the last of ``head``'s pre-hooks: it must see the input as the others leave it, a
+    tensor-parallel plan's registered after tigon patched the model among them (torch's
+    ``ColwiseParallel`` gathers a sequence-sharded input there)."""
     if not hasattr(head, "tigon_loss_request"):
         head.tigon_loss_request = None
         head.tigon_loss_hook = head.register_forward_pre_hook(_loss_when_asked)
+    hooks = head._forward_pre_hooks
+    if not torch.compiler.is_compiling() and next(reversed(hooks)) != head.tigon_loss_hook.id:
+        hooks.move_to_end(head.tigon_loss_hook.id)
 
 
 def unhook_head_loss(head: torch.nn.Module) -> None:
@@ -209,9 +217,14 @@ def unhook_head_loss(head: torch.nn.Module) -> None:
 def _loss_when_asked(head, args):
     """While ``head.tigon_loss_request`` is set, append to its ``losses`` the loss of ``head``'s
     input and weight, and hand ``head`` an empty slice of the input (no positions), so that it
-    computes no logits; otherwise change nothing."""
+    computes no logits; or, for a DTensor weight the fused loss does not take, append ``None`` and
+    let ``head`` compute the logits for the model's own loss. Otherwise change nothing."""
     request = head.tigon_loss_request
     if request is None:
+        return None
+    takes = "tigon's fused loss takes a head sharded along the vocabulary, (Shard(0),) on a 1-D mesh"
+    if _left_to_model(request["family"], "weight", head.weight, takes):
+        request["losses"].append(None)  # the head computes the logits, as its plan says
         return None
     hidden_states = args[0]
     request["losses"].append(
