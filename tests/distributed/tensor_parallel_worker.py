@@ -14,13 +14,17 @@ plans, patched after sharding):
   weight a replicated DTensor, which leaves the loss to the model;
 - ``sequence-parallel``: torch's ``parallelize_module`` with sequence-parallel norms;
   ``sequence-parallel-patched-first``: the same plan applied to a model tigon patched before;
-- ``refusals``: placements tigon's layers cannot compute on shards, each error's type and message.
+- ``refusals``: placements tigon's layers cannot compute on shards, each error's type and message;
+- ``local-ops``: ``tigon.nn.SwiGLUMLP`` with its gate and up column-parallel DTensors, tigon's
+  RoPE on q and k sharded by heads, ``tigon.nn.RMSNorm`` sequence-parallel, against the same on
+  whole tensors.
 
 A training record holds every step's loss, every parameter's whole gradient (a DTensor's gathered
 with ``full_tensor()``), whether the loss was tigon's fused one (no logits returned), the patched
 layers' classes and the warnings raised.
 """
 
+import copy
 import os
 import sys
 import warnings
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from transformers import AutoModelForCausalLM
 
 from tigon.transformers import apply_tigon
@@ -137,6 +141,68 @@ def refusals(checkpoint: str, tp: int) -> dict:
     return errors
 
 
+def _relative(actual: torch.Tensor, truth: torch.Tensor) -> float:
+    actual = actual.full_tensor() if isinstance(actual, DTensor) else actual
+    return ((actual - truth).norm() / truth.norm()).item()
+
+
+def local_ops(tp: int) -> dict:
+    """tigon's functions and modules on DTensors they compute locally, against the same on whole
+    tensors: each case's largest relative error over the output and every input's gradient."""
+    mesh = init_device_mesh("cpu", (tp,))
+    torch.manual_seed(0)  # the same tensors on every rank
+    errors = {}
+
+    # tigon.nn.SwiGLUMLP with gate and up column-parallel, kept as DTensors: SwiGLU on their columns.
+    x = torch.randn(BATCH, SEQ, 32, requires_grad=True)
+    grad_out = torch.randn(BATCH, SEQ, 32)
+    whole = tigon.nn.SwiGLUMLP(32, 16 * tp)
+    truth = whole(x)
+    truth_grads = torch.autograd.grad(truth, (x, *whole.parameters()), grad_out)
+    mlp = copy.deepcopy(whole)
+    parallelize_module(mlp, mesh, {
+        "gate_proj": ColwiseParallel(use_local_output=False), "up_proj": ColwiseParallel(use_local_output=False),
+        "down_proj": RowwiseParallel(),
+    })
+    x_whole = x.detach().requires_grad_()
+    out = mlp(x_whole)
+    out.backward(grad_out)
+    grads = (x_whole.grad, *(p.grad for p in mlp.parameters()))
+    errors["swiglu_mlp"] = max(_relative(out, truth), *(_relative(g, t) for g, t in zip(grads, truth_grads)))
+
+    # RoPE on q and k [B, H, T, D] sharded by heads, the tables whole.
+    q, k = (torch.randn(BATCH, 2 * tp, SEQ, 16, requires_grad=True) for _ in range(2))
+    cos, sin = torch.randn(BATCH, SEQ, 16), torch.randn(BATCH, SEQ, 16)
+    grads_out = [torch.randn(BATCH, 2 * tp, SEQ, 16) for _ in range(2)]
+    truth = apply_rotary_pos_emb(q, k, cos, sin)
+    truth_grads = torch.autograd.grad(truth, (q, k), grads_out)
+    shards = [distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in (q, k)]
+    out = apply_rotary_pos_emb(*shards, cos, sin)
+    torch.autograd.backward(out, [distribute_tensor(g, mesh, [Shard(1)]) for g in grads_out])
+    errors["rope"] = max(
+        *(_relative(o, t) for o, t in zip(out, truth)), *(_relative(s.grad, g) for s, g in zip(shards, truth_grads))
+    )
+
+    # tigon.nn.RMSNorm, sequence-parallel: x [B, T/tp, H] on each rank, the weight replicated.
+    x = torch.randn(BATCH, SEQ, 32, requires_grad=True)
+    grad_out = torch.randn(BATCH, SEQ, 32)
+    whole = tigon.nn.RMSNorm(32)
+    torch.nn.init.normal_(whole.weight)
+    truth = whole(x)
+    truth_grads = torch.autograd.grad(truth, (x, whole.weight), grad_out)
+    norm = parallelize_module(tigon.nn.RMSNorm(32), mesh, SequenceParallel())
+    with torch.no_grad():
+        norm.weight.copy_(distribute_tensor(whole.weight.detach(), mesh, [Replicate()]))
+    x_local = x.detach().chunk(tp, dim=1)[dist.get_rank()].requires_grad_()
+    out = norm(x_local)
+    out.backward(distribute_tensor(grad_out, mesh, [Shard(1)]))
+    x_grad = DTensor.from_local(x_local.grad, mesh, [Shard(1)])
+    errors["rms_norm"] = max(
+        _relative(out, truth), _relative(x_grad, truth_grads[0]), _relative(norm.weight.grad, truth_grads[1])
+    )
+    return errors
+
+
 def main():
     checkpoint, out, cases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if cases == ["reference"]:
@@ -147,6 +213,9 @@ def main():
     for case in cases:
         if case == "refusals":
             records[case] = refusals(checkpoint, dist.get_world_size())
+            continue
+        if case == "local-ops":
+            records[case] = local_ops(dist.get_world_size())
             continue
         records[case] = train(build(checkpoint, case, dist.get_world_size()))
     if dist.get_rank() == 0:

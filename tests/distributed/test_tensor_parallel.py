@@ -34,11 +34,11 @@ LAUNCHES = {
     "one": ["reference"],
     "2": [
         "auto", "auto-checkpointing", "auto-cross-entropy", "auto-replicated-head", "sequence-parallel",
-        "sequence-parallel-patched-first", "refusals",
+        "sequence-parallel-patched-first", "refusals", "local-ops",
     ],
-    "4": ["auto", "sequence-parallel"],
+    "4": ["auto", "sequence-parallel", "local-ops"],
 }
-RUNS = [(tp, case) for tp in ("2", "4") for case in LAUNCHES[tp] if case != "refusals"]
+RUNS = [(tp, case) for tp in ("2", "4") for case in LAUNCHES[tp] if case not in ("refusals", "local-ops")]
 TOLERANCE = 1e-5
 
 
@@ -79,6 +79,14 @@ def test_matches_one_process(records, tp, case, reference):
         for name, grad in grads.items():
             error = relative_error(grad, true_grads[name])
             assert error <= TOLERANCE, f"step {step}: {name}'s gradient is {error:.2e} off"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", ["2", "4"])
+@pytest.mark.parametrize("op", ["swiglu_mlp", "rope", "rms_norm"])
+def test_ops_on_local_shards(records, tp, op):
+    """The output and every gradient of a DTensor-sharded call equal the whole-tensor call's."""
+    assert records[tp]["local-ops"][op] <= TOLERANCE
 
 
 REFUSALS = {
