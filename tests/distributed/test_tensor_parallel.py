@@ -106,3 +106,17 @@ def test_refuses_what_shards_cannot_compute(records, name):
     assert kind == "ShardingError"
     for part in REFUSALS[name]:
         assert part in message
+
+
+@pytest.mark.slow
+def test_example_runs_as_documented():
+    """examples/train_tp.py as a user starts it, on its default tiny model."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "examples" / "train_tp.py"), "--tp", "2", "--plan", "sequence-parallel", "--steps", "2",
+    ]
+    run = subprocess.run(
+        command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "step 1: loss" in run.stdout
