@@ -982,8 +982,7 @@ def fused_linear_logprobs(
             ZeRO-3: ``lambda: deepspeed.zero.GatheredParameters([weight])``).
         process_group: ``weight`` (and ``bias``) this rank's shard of a head sharded along the
             vocabulary, as in :func:`fused_linear_cross_entropy`, which also takes a DTensor
-            ``weight`` placed ``(Shard(0),)``; there ``grad_in_forward`` is ignored (backward
-            always recomputes, ``8·N·H·V / tp`` FLOPs per rank; one chunk recomputes nothing).
+            ``weight`` placed ``(Shard(0),)``.
     Returns: ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``target``-shaped,
         fp32 (``is_top1`` bool), or ``None`` when not in ``outputs``.
     """
@@ -1012,7 +1011,7 @@ def fused_linear_logprobs(
         return _vocab_parallel.fused_linear_logprobs(
             input, weight, target, bias, _vocab_parallel.vocab_shard(weight, target.numel(), group, reduce_grad_input),
             ignore_index, float(temperature), None if softcap is None else float(softcap), float(logit_scale),
-            tuple(outputs), chunk_memory_bytes, backward_context,
+            tuple(outputs), chunk_memory_bytes, bool(grad_in_forward), backward_context,
         )
     return _fused_linear_logprobs.fused_linear_logprobs(
         input, weight, target, bias, ignore_index, float(temperature), None if softcap is None else float(softcap),

@@ -37,7 +37,9 @@ LOGPROB_OPTIONS = dict(temperature=0.7, softcap=2.0, logit_scale=1.3)
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 # name → (loss, api, bias, options): loss "flce" (fused_linear_cross_entropy), "logprobs"
-# (fused_linear_logprobs, every field, with gradients from log_probs and entropy) or "grpo"
+# (fused_linear_logprobs, every field, with gradients from log_probs and entropy),
+# "logprobs_sft" (the same, the gradient from half the sum of the log-probs alone),
+# "logprobs_weighted" (from a weighted sum of the log-probs alone) or "grpo"
 # (fused_linear_grpo off-policy, the loss and every metric; "chunk_rows" sets its chunks: 26 holds
 # two whole completions, 10 less than one, so GSPO's and VESPO's losses take two passes); api "group"
 # (plain shards and process_group), "dtensor" (a DTensor weight, a plain input) or
@@ -56,6 +58,12 @@ CASES: dict[str, tuple[str, str, bool, dict]] = {
     "logprobs-plain-group": ("logprobs", "group", False, {}),
     "logprobs-dtensor": ("logprobs", "dtensor", True, dict(LOGPROB_OPTIONS)),
     "logprobs-dtensor_input": ("logprobs", "dtensor_input", False, {}),
+    # grad_in_forward: kept (a mean of the log-probs, SFT's NLL), then broken by a gradient that
+    # differs between tokens or one that reaches the entropy (backward recomputes).
+    "logprobs-sft-group": ("logprobs_sft", "group", True, dict(grad_in_forward=True)),
+    "logprobs-sft-dtensor": ("logprobs_sft", "dtensor", False, dict(LOGPROB_OPTIONS, grad_in_forward=True)),
+    "logprobs-sft_broken-group": ("logprobs_weighted", "group", True, dict(grad_in_forward=True)),
+    "logprobs-sft_entropy-dtensor": ("logprobs", "dtensor", True, dict(grad_in_forward=True)),
     "grpo-dapo-kl-group": ("grpo", "group", True, dict(loss_type="dapo", beta=0.1, temperature=0.9)),
     "grpo-gspo-dtensor": ("grpo", "dtensor", True, dict(loss_type="grpo", importance_sampling_level="sequence",
                                                          chunk_rows=26)),
@@ -107,6 +115,10 @@ def loss_to_backward(kind: str, options: dict, outputs, upstream: torch.Tensor) 
     """The scalar whose backward the case checks, from the op's ``outputs``."""
     if kind == "grpo":
         return outputs[0] * 0.75
+    if kind == "logprobs_sft":
+        return outputs[0].sum() * 0.5
+    if kind == "logprobs_weighted":
+        return (outputs[0] * upstream[0]).sum()
     if kind == "logprobs":
         log_probs, entropy = outputs[:2]
         return (log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum()

@@ -213,15 +213,6 @@ def cross_entropy_bwd_kernel(
                 tl.store(grad_row + offs, scaled.to(GRAD.dtype.element_ty), mask=mask)
 
 
-def transform_args(temperature: float, softcap: float | None, logit_scale: float) -> dict:
-    """The kernel arguments of the logits' transform ``z = softcap·tanh(logit_scale·y / softcap) /
-    temperature`` (the log-probs head's; the cross entropy's is ``logit_scale = temperature = 1``)."""
-    return {
-        "logit_scale": logit_scale, "softcap": 1.0 if softcap is None else softcap,
-        "inv_temperature": 1.0 / temperature, "HAS_SOFTCAP": softcap is not None,
-    }
-
-
 def vocab_row_geometry(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
     """``(BLOCK_V, num_warps, n_programs)`` for the row-looping kernels of this family."""
     block_v, num_warps = row_launch_config(min(n_cols, MAX_BLOCK_BYTES // element_size), element_size)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -68,26 +69,20 @@ from tigon.ops.cross_entropy import (
     softcapped,
     store_zero_row,
     target_bounds,
-    transform_args,
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
 from tigon.ops.fused_linear_preference import scaled_grads
-from tigon.ops.vocab_parallel import (
-    N_STATS,
-    VocabShard,
-    finish_grad_input,
-    launch_grad,
-    logprob_fields,
-    logprob_grad_terms,
-)
+
+if TYPE_CHECKING:
+    from tigon.ops.vocab_parallel import VocabShard
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 @triton.jit
-def _capped(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """``logit_scale · y``, softcapped: ``z`` before the temperature."""
+def scaled_softcapped(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``logit_scale · y``, softcapped: the log-probs head's ``z`` before the temperature."""
     capped = y * logit_scale
     if HAS_SOFTCAP:
         capped = softcapped(capped, softcap)
@@ -95,24 +90,85 @@ def _capped(y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def logprobs_grad_row(
-    logits_row, grad_row, n_cols, target, lse, entropy, grad_log_prob, grad_entropy,
-    logit_scale, softcap, inv_temperature,
-    HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+def online_row_stats(
+    logits_row, n_cols, first_col, target, logit_scale, softcap, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, SUM_EXP_DZ: tl.constexpr, SUM_EXP_SQ: tl.constexpr, SUM_Z: tl.constexpr,
+    MAX_BEFORE_TARGET: tl.constexpr, EVICTION: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Write ``dL/dy`` of one row (see the module docstring); ``grad_row`` may be ``logits_row``.
-    The row is walked backwards: the blocks read last by the pass before are the likeliest to be
-    in L2."""
+    """One pass over a row of logits ``y`` (``n_cols`` of them, the first at the vocabulary's
+    index ``first_col``) → ``(running_max, shift, sum_exp, sum_exp_dz, sum_exp_sq, sum_z,
+    max_before_target)`` of ``z = scaled_softcapped(y) · inv_temperature``; the sums not asked
+    for stay 0 (``max_before_target`` −inf).
+
+    The statistics are relative to a shift: the running max, or 0 while every z seen is −inf.
+    sum_exp = Σ e, e = exp(z − shift); sum_exp_dz = Σ e·(z − shift), kept relative to the shift
+    (not Σ e·z) so that the entropy, log Σe − sum_exp_dz / sum_exp, does not subtract two large
+    numbers; sum_exp_sq = Σ e²; sum_z = Σ z; max_before_target: the largest z at an index below
+    ``target`` (argmax's first-index rule for ties)."""
+    cols = tl.arange(0, BLOCK_V)
+    running_max = tl.full((), float("-inf"), tl.float32)
+    shift = tl.zeros((), tl.float32)
+    sum_exp = tl.zeros((), tl.float32)
+    sum_exp_dz = tl.zeros((), tl.float32)
+    sum_exp_sq = tl.zeros((), tl.float32)
+    sum_z = tl.zeros((), tl.float32)
+    max_before_target = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        offs = start + cols
+        mask = offs < n_cols
+        y = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+        z = scaled_softcapped(y, logit_scale, softcap, HAS_SOFTCAP) * inv_temperature
+        z = tl.where(mask, z, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(z, axis=0))
+        new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2((running_max - new_shift) * LOG2E)
+        e = tl.exp2((z - new_shift) * LOG2E)
+        if SUM_EXP_DZ:
+            # Each earlier term's (z − shift) becomes (z − new_shift) = (z − shift) + (shift − new_shift).
+            sum_exp_dz = (sum_exp_dz + (shift - new_shift) * sum_exp) * rescale
+            sum_exp_dz += tl.sum(e * tl.where(e > 0.0, z - new_shift, 0.0), axis=0)
+        if SUM_EXP_SQ:
+            sum_exp_sq = sum_exp_sq * rescale * rescale + tl.sum(e * e, axis=0)
+        if SUM_Z:
+            sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        if MAX_BEFORE_TARGET:
+            max_before_target = tl.maximum(
+                max_before_target, tl.max(tl.where(first_col + offs < target, z, float("-inf")), axis=0)
+            )
+        sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
+        running_max = new_max
+        shift = new_shift
+    return running_max, shift, sum_exp, sum_exp_dz, sum_exp_sq, sum_z, max_before_target
+
+
+@triton.jit
+def softmax_grad_row(
+    logits_row, grad_row, n_cols, target, lse, entropy, prob_coef, target_coef, uniform, grad_entropy,
+    logit_scale, softcap, inv_temperature,
+    HAS_SOFTCAP: tl.constexpr, HAS_UNIFORM: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Write ``dL/dy`` of one row whose gradient is, with ``p = exp(z − lse)``::
+
+        dL/dz_j = p_j·a − [j = t]·c − u − h·p_j·(log p_j + H)
+
+    (``a = prob_coef``, ``c = target_coef``, ``u = uniform``, ``h = grad_entropy``, ``H =
+    entropy``), times ``dz/dy``. The log-probs' gradient for an upstream ``g`` (see the module
+    docstring) is ``a = c = −g``, ``u = 0``; the cross entropy's (label smoothing ε, z-loss s) is
+    ``a = 1 + 2·s·lse``, ``c = 1 − ε``, ``u = ε/V``, ``h = 0``. ``target`` outside ``[0, n_cols)``
+    meets no column (a vocabulary shard without it); ``grad_row`` may be ``logits_row``. The row
+    is walked backwards: the blocks read last by the pass before are the likeliest to be in L2."""
     cols = tl.arange(0, BLOCK_V)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
     for block in range(0, n_blocks):
         offs = (n_blocks - 1 - block) * BLOCK_V + cols
         mask = offs < n_cols
         y = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        capped = _capped(y, logit_scale, softcap, HAS_SOFTCAP)
+        capped = scaled_softcapped(y, logit_scale, softcap, HAS_SOFTCAP)
         log_p = capped * inv_temperature - lse
         p = tl.exp2(log_p * LOG2E)
-        grad = grad_log_prob * (tl.where(offs == target, 1.0, 0.0) - p)
+        grad = p * prob_coef - tl.where(offs == target, target_coef, 0.0)
+        if HAS_UNIFORM:
+            grad -= uniform
         if HAS_ENTROPY_GRAD:
             # p·log p → 0 as p → 0 (a logit of −inf): no 0·(−inf).
             grad -= grad_entropy * p * tl.where(p > 0.0, log_p + entropy, 0.0)
@@ -136,7 +192,6 @@ def logprobs_fwd_kernel(
     # Persistent grid: program p handles rows p, p + P, ...; GRAD may be LOGITS itself.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_V)
     for row in range(pid, n_rows, n_programs):
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
         target = tl.load(TARGET + row * stride_target)
@@ -155,44 +210,13 @@ def logprobs_fwd_kernel(
             if COMPUTE_GRAD:
                 store_zero_row(GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, BLOCK_V)
         else:
-            z_target = _capped(tl.load(logits_row + target).to(tl.float32), logit_scale, softcap, HAS_SOFTCAP)
-            z_target = z_target * inv_temperature
-            # Online statistics relative to a shift: the running max, or 0 while every z seen is
-            # −inf. sum_exp = Σ e, e = exp(z − shift); sum_exp_dz = Σ e·(z − shift), kept relative
-            # to the shift (not Σ e·z) so that the entropy, log Σe − sum_exp_dz / sum_exp, does
-            # not subtract two large numbers; sum_exp_sq = Σ e².
-            running_max = tl.full((), float("-inf"), tl.float32)
-            shift = tl.zeros((), tl.float32)
-            sum_exp = tl.zeros((), tl.float32)
-            sum_exp_dz = tl.zeros((), tl.float32)
-            sum_exp_sq = tl.zeros((), tl.float32)
-            sum_z = tl.zeros((), tl.float32)
-            max_before_target = tl.full((), float("-inf"), tl.float32)
-            for start in range(0, n_cols, BLOCK_V):
-                offs = start + cols
-                mask = offs < n_cols
-                y = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                z = _capped(y, logit_scale, softcap, HAS_SOFTCAP) * inv_temperature
-                z = tl.where(mask, z, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(z, axis=0))
-                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                rescale = tl.exp2((running_max - new_shift) * LOG2E)
-                e = tl.exp2((z - new_shift) * LOG2E)
-                if STORE_ENTROPY:
-                    # Each earlier term's (z − shift) becomes (z − new_shift) = (z − shift) + (shift − new_shift).
-                    sum_exp_dz = (sum_exp_dz + (shift - new_shift) * sum_exp) * rescale
-                    sum_exp_dz += tl.sum(e * tl.where(e > 0.0, z - new_shift, 0.0), axis=0)
-                if STORE_LOG_SUM_SQ:
-                    sum_exp_sq = sum_exp_sq * rescale * rescale + tl.sum(e * e, axis=0)
-                if STORE_MEAN_LOGIT:
-                    sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
-                if STORE_IS_TOP1:
-                    max_before_target = tl.maximum(
-                        max_before_target, tl.max(tl.where(offs < target, z, float("-inf")), axis=0)
-                    )
-                sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
-                running_max = new_max
-                shift = new_shift
+            y_target = tl.load(logits_row + target).to(tl.float32)
+            z_target = scaled_softcapped(y_target, logit_scale, softcap, HAS_SOFTCAP) * inv_temperature
+            # The row's logits stay in L2 for the gradient pass (evict_last).
+            running_max, shift, sum_exp, sum_exp_dz, sum_exp_sq, sum_z, max_before_target = online_row_stats(
+                logits_row, n_cols, 0, target, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, STORE_ENTROPY,
+                STORE_LOG_SUM_SQ, STORE_MEAN_LOGIT, STORE_IS_TOP1, "evict_last", BLOCK_V,
+            )
             log_sum_exp = tl.log(sum_exp)
             lse = shift + log_sum_exp
             tl.store(LOG_PROB + row, (z_target - shift) - log_sum_exp)
@@ -207,9 +231,10 @@ def logprobs_fwd_kernel(
                 is_top1 = (z_target >= running_max) & (z_target > max_before_target)
                 tl.store(IS_TOP1 + row, is_top1.to(tl.int8))
             if COMPUTE_GRAD:
-                logprobs_grad_row(
-                    logits_row, GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, target, lse, 0.0, 1.0, 0.0, logit_scale, softcap, inv_temperature,
-                    HAS_SOFTCAP, False, BLOCK_V,
+                # The gradient of Σ log_prob: g = 1.
+                softmax_grad_row(
+                    logits_row, GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, target, lse, 0.0, -1.0, -1.0,
+                    0.0, 0.0, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, False, False, BLOCK_V,
                 )
 
 
@@ -235,10 +260,21 @@ def logprobs_bwd_kernel(
             if HAS_ENTROPY_GRAD:
                 grad_entropy = tl.load(GRAD_ENTROPY + row)
                 entropy = tl.load(ENTROPY + row)
-            logprobs_grad_row(
-                logits_row, logits_row, n_cols, target, tl.load(LSE + row), entropy, tl.load(GRAD_LOG_PROB + row),
-                grad_entropy, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, HAS_ENTROPY_GRAD, BLOCK_V,
+            minus_grad_log_prob = -tl.load(GRAD_LOG_PROB + row)
+            softmax_grad_row(
+                logits_row, logits_row, n_cols, target, tl.load(LSE + row), entropy, minus_grad_log_prob,
+                minus_grad_log_prob, 0.0, grad_entropy, logit_scale, softcap, inv_temperature, HAS_SOFTCAP, False,
+                HAS_ENTROPY_GRAD, BLOCK_V,
             )
+
+
+def transform_args(temperature: float, softcap: float | None, logit_scale: float) -> dict:
+    """The kernel arguments of the logits' transform ``z = softcap·tanh(logit_scale·y / softcap) /
+    temperature`` (the log-probs head's; the cross entropy's is ``logit_scale = temperature = 1``)."""
+    return {
+        "logit_scale": logit_scale, "softcap": 1.0 if softcap is None else softcap,
+        "inv_temperature": 1.0 / temperature, "HAS_SOFTCAP": softcap is not None,
+    }
 
 
 def launch_logprobs_fwd(logits, target, outputs, grad, ignore_index, temperature, softcap, logit_scale):
@@ -552,9 +588,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         transform = (ignore_index, temperature, None, 1.0)
         ones = torch.ones(min(chunk_rows, n_rows), dtype=torch.float32, device=input.device)
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
-        if shard is not None:
-            stats = x2d.new_empty((min(chunk_rows, n_rows), N_STATS), dtype=torch.float32)
-            sharded_transform = transform_args(temperature, None, 1.0)
+        sharded_transform = transform_args(temperature, None, 1.0)
 
         def logprobs_head(ranges, logits):
             rows = slice(*ranges[0])
@@ -562,7 +596,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
             if shard is None:
                 launch_logprobs_fwd(logits, target_rows[rows], fields, None, *transform)
             else:
-                logprob_fields(logits, target_rows[rows], stats, shard, ignore_index, sharded_transform, fields)
+                shard.logprob_fields(logits, target_rows[rows], ignore_index, sharded_transform, fields)
 
         def add_share(rows):
             """Adds the loss of the tokens ``rows`` to ``loss``; → their fp32 ``dL/dlogp``, or ``None``."""
@@ -583,10 +617,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
             if shard is None:
                 launch_logprobs_bwd(logits, target_rows[rows], lse[rows], None, chunk_ones, None, *transform)
             else:
-                launch_grad(
-                    logits, target_rows[rows], logprob_grad_terms(lse[rows], chunk_ones), shard, ignore_index,
-                    sharded_transform,
-                )
+                shard.logprob_grad(logits, target_rows[rows], ignore_index, sharded_transform, lse[rows], chunk_ones)
 
         def loss_head(ranges, logits):
             rows = slice(*ranges[0])
@@ -614,7 +645,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
                     grad_bias, logits_buffer=logits_buffer, first_chunk_computed=True,
                 )
         if shard is not None:
-            finish_grad_input(grad_input, shard)
+            shard.finish_grad_input(grad_input)
         ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
         ctx.needs, ctx.input_shape = needs, input.shape
         log_prob, entropy = log_prob.view(n_sequences, seq_len), entropy.view(n_sequences, seq_len)

@@ -23,7 +23,8 @@ partial for a caller that reduces it itself (a DTensor input's gradient marked `
 Per chunk the extra traffic is the gather of ``tp·C·K`` fp32 (K ≤ 7), and ``N·H`` once for the
 all-reduce of ``dx``; the matmuls are ``1/tp`` of one process's. The gradient formulas are those of
 :mod:`tigon.ops.cross_entropy` (cross entropy with label smoothing, z-loss and softcap) and of
-:mod:`tigon.ops.fused_linear_logprobs` (log-probs and entropy), written here in one form::
+:mod:`tigon.ops.fused_linear_logprobs` (log-probs and entropy), in the one form of its
+``softmax_grad_row``::
 
     dL/dz_j = p_j·a − u − [j = t]·c − h·p_j·(log p_j + H)
 
@@ -34,7 +35,11 @@ Shards may be uneven (``torch.chunk``'s split of V = 101 over 2 ranks is 51 and 
 ``Shard(0)``); every rank runs the same chunks (sized by the largest shard), so the collectives
 line up. The layout (each shard's size, and the row count, which must agree) is gathered once per
 call, a host sync. Shapes and dtypes as the one-process ops; gradients for ``"none"`` and the
-log-probs are recomputed in backward from the saved global ``lse`` without another gather.
+log-probs are recomputed in backward from the saved global ``lse`` without another gather (the
+log-probs' ``grad_in_forward`` as in one process). :class:`VocabShard` carries the per-chunk
+steps (statistics, gradient, the input gradient's reduction), which the GRPO family's chunk loop
+(:class:`~tigon.ops.fused_linear_logprobs.FusedLinearLogprobLossFunction`) calls as well.
+Not under torch.compile or CUDA-graph capture: the collectives and the layout check run eagerly.
 """
 
 from __future__ import annotations
@@ -47,21 +52,27 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import as_rows
+from tigon.ops._launch import as_rows, host_sync_allowed
 from tigon.ops.cross_entropy import (
-    LOG2E,
     check_target_bounds,
     count_valid,
     cross_entropy_bwd,
     reduce_rows,
     shaped_losses,
-    softcapped,
     store_zero_row,
     target_bounds,
-    transform_args,
     vocab_row_geometry,
 )
 from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, mean_scales, new_grads, row_chunks
+from tigon.ops.fused_linear_logprobs import (
+    FIELDS,
+    online_row_stats,
+    scaled_softcapped,
+    softmax_grad_row,
+    transform_args,
+    uniform_grad,
+    uniform_grad_or_nan,
+)
 
 # Columns of the statistics a rank computes per row over its slice of z.
 STAT_MAX = tl.constexpr(0)  # max z (−inf for an empty slice)
@@ -83,16 +94,6 @@ N_TERMS = 6
 
 
 @triton.jit
-def _transformed(y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """``z = softcap·tanh(logit_scale·y / softcap) / temperature`` and the capped value before
-    the temperature (the chain rule's tanh)."""
-    capped = y * logit_scale
-    if HAS_SOFTCAP:
-        capped = softcapped(capped, softcap)
-    return capped * inv_temperature, capped
-
-
-@triton.jit
 def vocab_parallel_stats_kernel(
     LOGITS, TARGET, STATS,
     n_rows, n_cols, vocab_start, vocab_size,
@@ -102,11 +103,9 @@ def vocab_parallel_stats_kernel(
     STORE_SUM_SQ: tl.constexpr, STORE_TOP1: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     # Persistent grid over rows; each row's slice [vocab_start, vocab_start + n_cols) of the
-    # global vocabulary is read once, in blocks, with the online statistics of
-    # logprobs_fwd_kernel relative to a running shift.
+    # vocabulary is read once, in blocks, for its online statistics (those of logprobs_fwd_kernel).
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_V)
     for row in range(pid, n_rows, n_programs):
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
         stats_row = STATS + row * stride_stats
@@ -125,39 +124,11 @@ def vocab_parallel_stats_kernel(
             local_target = target - vocab_start
             owns_target = (local_target >= 0) & (local_target < n_cols)
             y_target = tl.load(logits_row + local_target, mask=owns_target, other=0.0).to(tl.float32)
-            z_target = _transformed(y_target, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)[0]
-            running_max = tl.full((), float("-inf"), tl.float32)
-            shift = tl.zeros((), tl.float32)
-            sum_exp = tl.zeros((), tl.float32)
-            sum_exp_dz = tl.zeros((), tl.float32)
-            sum_exp_sq = tl.zeros((), tl.float32)
-            sum_z = tl.zeros((), tl.float32)
-            max_before_target = tl.full((), float("-inf"), tl.float32)
-            for start in range(0, n_cols, BLOCK_V):
-                offs = start + cols
-                mask = offs < n_cols
-                y = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
-                z = _transformed(y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)[0]
-                z = tl.where(mask, z, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(z, axis=0))
-                new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-                rescale = tl.exp2((running_max - new_shift) * LOG2E)
-                e = tl.exp2((z - new_shift) * LOG2E)
-                if STORE_ENTROPY:
-                    sum_exp_dz = (sum_exp_dz + (shift - new_shift) * sum_exp) * rescale
-                    sum_exp_dz += tl.sum(e * tl.where(e > 0.0, z - new_shift, 0.0), axis=0)
-                if STORE_SUM_SQ:
-                    sum_exp_sq = sum_exp_sq * rescale * rescale + tl.sum(e * e, axis=0)
-                if STORE_SUM_Z:
-                    sum_z += tl.sum(tl.where(mask, z, 0.0), axis=0)
-                if STORE_TOP1:
-                    before = (vocab_start + offs) < target
-                    max_before_target = tl.maximum(
-                        max_before_target, tl.max(tl.where(before, z, float("-inf")), axis=0)
-                    )
-                sum_exp = sum_exp * rescale + tl.sum(e, axis=0)
-                running_max = new_max
-                shift = new_shift
+            z_target = scaled_softcapped(y_target, logit_scale, softcap, HAS_SOFTCAP) * inv_temperature
+            running_max, _, sum_exp, sum_exp_dz, sum_exp_sq, sum_z, max_before_target = online_row_stats(
+                logits_row, n_cols, vocab_start, target, logit_scale, softcap, inv_temperature, HAS_SOFTCAP,
+                STORE_ENTROPY, STORE_SUM_SQ, STORE_SUM_Z, STORE_TOP1, "", BLOCK_V,
+            )
             tl.store(stats_row + STAT_MAX, running_max)
             tl.store(stats_row + STAT_SUM_EXP, sum_exp)
             tl.store(stats_row + STAT_Z_TARGET, tl.where(owns_target, z_target, 0.0))
@@ -180,12 +151,10 @@ def vocab_parallel_grad_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_UNIFORM: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # dL/dy over the slice, written over the logits: p_j·a − u − [j = t]·c − h·p_j·(log p_j + H),
-    # with p_j = exp(z_j − lse) from the global lse, times dz/dy = logit_scale·(1 − tanh²)/T.
+    # dL/dy over the slice, written over the logits (softmax_grad_row), with p_j = exp(z_j − lse)
+    # from the whole vocabulary's lse; the target's column is local only on the rank that holds it.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_V)
-    n_blocks = tl.cdiv(n_cols, BLOCK_V)
     for row in range(pid, n_rows, n_programs):
         logits_row = LOGITS + tl.cast(row, tl.int64) * stride_logits
         terms_row = TERMS + row * stride_terms
@@ -193,10 +162,6 @@ def vocab_parallel_grad_kernel(
         if (target == ignore_index) | (target < 0) | (target >= vocab_size):
             store_zero_row(logits_row, n_cols, BLOCK_V)
         else:
-            local_target = target - vocab_start
-            lse = tl.load(terms_row + TERM_LSE)
-            prob_coef = tl.load(terms_row + TERM_PROB)
-            target_coef = tl.load(terms_row + TERM_TARGET)
             uniform = 0.0
             if HAS_UNIFORM:
                 uniform = tl.load(terms_row + TERM_UNIFORM)
@@ -205,50 +170,11 @@ def vocab_parallel_grad_kernel(
             if HAS_ENTROPY_GRAD:
                 entropy_grad = tl.load(terms_row + TERM_ENTROPY_GRAD)
                 entropy = tl.load(terms_row + TERM_ENTROPY)
-            for block in range(0, n_blocks):
-                offs = (n_blocks - 1 - block) * BLOCK_V + cols
-                mask = offs < n_cols
-                y = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
-                z, capped = _transformed(y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP)
-                log_p = z - lse
-                p = tl.exp2(log_p * LOG2E)
-                grad = p * prob_coef - uniform - tl.where(offs == local_target, target_coef, 0.0)
-                if HAS_ENTROPY_GRAD:
-                    # p·log p → 0 as p → 0: no 0·(−inf).
-                    grad -= entropy_grad * p * tl.where(p > 0.0, log_p + entropy, 0.0)
-                grad = grad * (logit_scale * inv_temperature)
-                if HAS_SOFTCAP:
-                    tanh = capped / softcap
-                    grad = grad * (1.0 - tanh * tanh)
-                tl.store(logits_row + offs, grad.to(LOGITS.dtype.element_ty), mask=mask)
-
-
-@dataclass(frozen=True)
-class VocabShard:
-    """This rank's slice ``[vocab_start, vocab_start + local rows)`` of a vocabulary of
-    ``vocab_size`` sharded over ``group``; ``max_shard`` is the largest slice (the chunks' size is
-    set by it, the same on every rank). ``reduce_grad_input``: all-reduce the input's gradient
-    (else it is left as this rank's partial sum)."""
-
-    group: dist.ProcessGroup
-    vocab_start: int
-    vocab_size: int
-    max_shard: int
-    reduce_grad_input: bool
-
-
-def vocab_shard(weight: torch.Tensor, n_rows: int, group: dist.ProcessGroup, reduce_grad_input: bool) -> VocabShard:
-    """The layout of the shards ``weight [V_r, H]`` over ``group`` (in rank order), gathered: one
-    small collective and a host sync. Raises ``ValueError`` on every rank alike when the ranks
-    disagree on ``n_rows`` (the tokens must be the same on every rank)."""
-    local = torch.tensor([[weight.shape[0], n_rows]], dtype=torch.int64, device=weight.device)
-    sizes, rows = _all_gather(local, group).cpu().t().tolist()
-    if len(set(rows)) > 1:
-        raise ValueError(
-            f"input must hold the same tokens on every rank of the vocabulary-parallel group; got {rows} rows"
-        )
-    rank = dist.get_rank(group)
-    return VocabShard(group, sum(sizes[:rank]), sum(sizes), max(sizes), reduce_grad_input)
+            softmax_grad_row(
+                logits_row, logits_row, n_cols, target - vocab_start, tl.load(terms_row + TERM_LSE), entropy,
+                tl.load(terms_row + TERM_PROB), tl.load(terms_row + TERM_TARGET), uniform, entropy_grad,
+                logit_scale, softcap, inv_temperature, HAS_SOFTCAP, HAS_UNIFORM, HAS_ENTROPY_GRAD, BLOCK_V,
+            )
 
 
 def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -260,15 +186,16 @@ def _all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def launch_stats(logits, target, stats, shard: VocabShard, ignore_index, transform, sum_z=False, entropy=False,
-                 sum_sq=False, top1=False):
-    """``stats [C, N_STATS]`` fp32 ← the statistics of each row of the local ``logits [C, V_r]``;
-    the columns not asked for are left as they were."""
+def launch_stats(logits, target, stats, vocab_start, vocab_size, ignore_index, transform, sum_z=False,
+                 entropy=False, sum_sq=False, top1=False):
+    """``stats [C, N_STATS]`` fp32 ← the statistics of each row of the local ``logits [C, V_r]``,
+    the columns ``[vocab_start, vocab_start + V_r)`` of a vocabulary of ``vocab_size``; the
+    columns not asked for are left as they were."""
     n_rows, n_cols = logits.shape
     block_v, num_warps, n_programs = vocab_row_geometry(n_rows, max(n_cols, 1), logits.element_size(), logits.device)
     vocab_parallel_stats_kernel[(n_programs,)](
         logits, target, stats,
-        n_rows, n_cols, shard.vocab_start, shard.vocab_size,
+        n_rows, n_cols, vocab_start, vocab_size,
         logits.stride(0), target.stride(0), stats.stride(0),
         ignore_index, **transform,
         STORE_SUM_Z=sum_z, STORE_ENTROPY=entropy, STORE_SUM_SQ=sum_sq, STORE_TOP1=top1,
@@ -276,14 +203,15 @@ def launch_stats(logits, target, stats, shard: VocabShard, ignore_index, transfo
     )
 
 
-def launch_grad(logits, target, terms, shard: VocabShard, ignore_index, transform, uniform=False,
+def launch_grad(logits, target, terms, vocab_start, vocab_size, ignore_index, transform, uniform=False,
                 entropy_grad=False):
-    """``logits [C, V_r]`` ← ``dL/dy`` of the rows' ``terms [C, N_TERMS]`` (fp32)."""
+    """``logits [C, V_r]`` (the columns from ``vocab_start``) ← ``dL/dy`` of the rows'
+    ``terms [C, N_TERMS]`` (fp32)."""
     n_rows, n_cols = logits.shape
     block_v, num_warps, n_programs = vocab_row_geometry(n_rows, max(n_cols, 1), logits.element_size(), logits.device)
     vocab_parallel_grad_kernel[(n_programs,)](
         logits, target, terms,
-        n_rows, n_cols, shard.vocab_start, shard.vocab_size,
+        n_rows, n_cols, vocab_start, vocab_size,
         logits.stride(0), target.stride(0), terms.stride(0),
         ignore_index, **transform,
         HAS_UNIFORM=uniform, HAS_ENTROPY_GRAD=entropy_grad, BLOCK_V=block_v, num_warps=num_warps,
@@ -313,10 +241,8 @@ class RowStats:
         return (self.z_target - self.shift) - self.log_sum_exp
 
 
-def combined_stats(stats: torch.Tensor, group: dist.ProcessGroup, sum_z=False, entropy=False, sum_sq=False,
-                   top1=False) -> RowStats:
-    """Gather every rank's ``stats [C, N_STATS]`` (the collective of the chunk) and combine them."""
-    gathered = _all_gather(stats, group).view(-1, *stats.shape)
+def combined_stats(gathered: torch.Tensor, sum_z=False, entropy=False, sum_sq=False, top1=False) -> RowStats:
+    """Every rank's statistics ``gathered [tp, C, N_STATS]`` → those of the whole vocabulary."""
     maxes = gathered[..., STAT_MAX.value]
     top = maxes.amax(0)
     shift = torch.where(top == float("-inf"), 0.0, top)
@@ -341,19 +267,110 @@ def combined_stats(stats: torch.Tensor, group: dist.ProcessGroup, sum_z=False, e
     return result
 
 
-def _valid_rows(target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
-    return (target != ignore_index) & (target >= 0) & (target < vocab_size)
+def logprob_grad_terms(lse, grad_log_prob=None, grad_entropy=None, entropy=None) -> torch.Tensor:
+    """``[C, N_TERMS]`` of the log-probs' gradient for the upstream ``g = grad_log_prob`` and
+    ``h = grad_entropy`` (``[C]``, ``None`` for 0): dL/dz = g·([j = t] − p) − h·p·(log p + H),
+    so ``a = c = −g``."""
+    terms = lse.new_zeros((lse.shape[0], N_TERMS))
+    terms[:, TERM_LSE.value] = lse
+    if grad_log_prob is not None:
+        terms[:, TERM_PROB.value] = -grad_log_prob.reshape(-1).float()
+        terms[:, TERM_TARGET.value] = terms[:, TERM_PROB.value]
+    if grad_entropy is not None:
+        terms[:, TERM_ENTROPY_GRAD.value] = grad_entropy.reshape(-1).float()
+        terms[:, TERM_ENTROPY.value] = entropy
+    return terms
 
 
-def finish_grad_input(grad_input, shard: VocabShard) -> None:
-    """The input's gradient summed over the ranks' slices, when the op reduces it."""
-    if grad_input is not None and shard.reduce_grad_input:
-        dist.all_reduce(grad_input, group=shard.group)
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice ``[vocab_start, vocab_start + V_r)`` of a vocabulary of ``vocab_size``
+    sharded over ``group``, and what a loss does with it: the whole vocabulary's statistics of a
+    chunk's rows (:meth:`stats`), the slice's gradient (:meth:`grad`), the input's gradient
+    reduced (:meth:`finish_grad_input`). ``max_shard`` is the largest slice (the chunks' size is
+    set by it, the same on every rank). ``reduce_grad_input``: all-reduce the input's gradient
+    (else it is left as this rank's partial sum)."""
+
+    group: dist.ProcessGroup
+    vocab_start: int
+    vocab_size: int
+    max_shard: int
+    reduce_grad_input: bool
+
+    def valid_rows(self, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """Which rows have a target: the kernels' rule, over the whole vocabulary."""
+        return (target != ignore_index) & (target >= 0) & (target < self.vocab_size)
+
+    def stats(self, logits, target, ignore_index, transform, **asked) -> RowStats:
+        """The whole vocabulary's statistics of the rows of this rank's ``logits [C, V_r]``
+        (``asked``: ``sum_z``, ``entropy``, ``sum_sq``, ``top1``): the local kernel, the chunk's
+        all-gather, the combination."""
+        stats = logits.new_empty((logits.shape[0], N_STATS), dtype=torch.float32)
+        launch_stats(logits, target, stats, self.vocab_start, self.vocab_size, ignore_index, transform, **asked)
+        return combined_stats(_all_gather(stats, self.group).view(-1, *stats.shape), **asked)
+
+    def grad(self, logits, target, terms, ignore_index, transform, uniform=False, entropy_grad=False) -> None:
+        """``logits [C, V_r]`` ← ``dL/dy`` of the rows' ``terms [C, N_TERMS]``."""
+        launch_grad(logits, target, terms, self.vocab_start, self.vocab_size, ignore_index, transform, uniform,
+                    entropy_grad)
+
+    def logprob_fields(self, logits, target, ignore_index, transform, fields) -> None:
+        """Write the rows' ``fields`` (``log_prob, lse, entropy, log_sum_sq, mean_logit,
+        is_top1``: ``[C]`` tensors, ``None`` where not wanted) over the whole vocabulary, from
+        this rank's ``logits [C, V_r]``. Ignored rows get 0 (and any ``lse``)."""
+        log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1 = fields
+        asked = {
+            "sum_z": mean_logit is not None, "entropy": entropy is not None, "sum_sq": log_sum_sq is not None,
+            "top1": is_top1 is not None,
+        }
+        row = self.stats(logits, target, ignore_index, transform, **asked)
+        valid = self.valid_rows(target, ignore_index)
+        log_prob.copy_(torch.where(valid, row.log_prob, 0.0))
+        lse.copy_(row.lse)
+        for out, value in ((entropy, row.entropy), (log_sum_sq, row.log_sum_sq), (is_top1, row.is_top1)):
+            if out is not None and value is not None:
+                out.copy_(torch.where(valid, value, torch.zeros((), dtype=value.dtype)))
+        if mean_logit is not None and row.sum_z is not None:
+            mean_logit.copy_(torch.where(valid, row.sum_z / self.vocab_size, 0.0))
+
+    def logprob_grad(self, logits, target, ignore_index, transform, lse, grad_log_prob=None, grad_entropy=None,
+                     entropy=None) -> None:
+        """``logits [C, V_r]`` ← the log-probs' ``dL/dy`` for the upstream ``grad_log_prob`` and
+        ``grad_entropy`` (``[C]``, ``None`` for 0), from the rows' global ``lse`` (and entropy)."""
+        terms = logprob_grad_terms(lse, grad_log_prob, grad_entropy, entropy)
+        self.grad(logits, target, terms, ignore_index, transform, entropy_grad=grad_entropy is not None)
+
+    def finish_grad_input(self, grad_input: torch.Tensor | None) -> None:
+        """The input's gradient summed over the ranks' slices, when the op reduces it."""
+        if grad_input is not None and self.reduce_grad_input:
+            dist.all_reduce(grad_input, group=self.group)
+
+
+def vocab_shard(weight: torch.Tensor, n_rows: int, group: dist.ProcessGroup, reduce_grad_input: bool) -> VocabShard:
+    """The layout of the shards ``weight [V_r, H]`` over ``group`` (in rank order), gathered: one
+    small collective and a host sync. Raises ``ValueError`` on every rank alike when the ranks
+    disagree on ``n_rows`` (the tokens must be the same on every rank)."""
+    local = torch.tensor([[weight.shape[0], n_rows]], dtype=torch.int64, device=weight.device)
+    sizes, rows = _all_gather(local, group).cpu().t().tolist()
+    if len(set(rows)) > 1:
+        raise ValueError(
+            f"input must hold the same tokens on every rank of the vocabulary-parallel group; got {rows} rows"
+        )
+    rank = dist.get_rank(group)
+    return VocabShard(group, sum(sizes[:rank]), sum(sizes), max(sizes), reduce_grad_input)
 
 
 def _grads_or_none(grads, needs, input_shape):
     grad_input, grad_weight, grad_bias = (grad if needed else None for grad, needed in zip(grads, needs))
     return None if grad_input is None else grad_input.view(input_shape), grad_weight, grad_bias
+
+
+def _scale_grads(grads, needs, scale, keep_zeros: bool) -> None:
+    """The gradients computed in forward, times ``scale`` (fp32 ``[1]``) in place; with
+    ``keep_zeros``, zero entries stay zero (see :func:`~tigon.ops.cross_entropy.cross_entropy_bwd`)."""
+    for grad, needed in zip(grads, needs):
+        if needed:
+            cross_entropy_bwd(grad.view(-1, grad.shape[-1]), scale, keep_zeros=keep_zeros)
 
 
 def _cross_entropy_terms(lse, scale, label_smoothing, lse_square_scale, vocab_size):
@@ -390,34 +407,31 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         loss = x2d.new_empty(n_rows, dtype=torch.float32)
         z_loss = torch.empty_like(loss)
         lse = torch.empty_like(loss)
-        stats = x2d.new_empty((min(chunk_rows, n_rows), N_STATS), dtype=torch.float32)
         transform = transform_args(1.0, softcap, 1.0)
         smoothing = label_smoothing > 0.0
 
         def cross_entropy_head(ranges, logits):
-            ((start, end),) = ranges
-            rows = slice(start, end)
-            chunk_stats = stats[: end - start]
-            launch_stats(logits, target[rows], chunk_stats, shard, ignore_index, transform, sum_z=smoothing)
-            row = combined_stats(chunk_stats, shard.group, sum_z=smoothing)
-            valid = _valid_rows(target[rows], shard.vocab_size, ignore_index)
+            rows = slice(*ranges[0])
+            row = shard.stats(logits, target[rows], ignore_index, transform, sum_z=smoothing)
+            # loss = (1 − ε)·(lse − z_t) + ε·(lse − mean z) + s·lse², lse kept as shift + log Σe.
             row_lse = row.lse
             row_z_loss = lse_square_scale * row_lse.square()
             row_loss = row.log_sum_exp + (1.0 - label_smoothing) * (row.shift - row.z_target) + row_z_loss
             if smoothing:
                 row_loss += label_smoothing * (row.shift - row.sum_z / shard.vocab_size)
+            valid = shard.valid_rows(target[rows], ignore_index)
             loss[rows] = torch.where(valid, row_loss, 0.0)
             z_loss[rows] = torch.where(valid, row_z_loss, 0.0)
             lse[rows] = row_lse
             if compute_grad:
                 terms = _cross_entropy_terms(row_lse, grad_scale, label_smoothing, lse_square_scale, shard.vocab_size)
-                launch_grad(logits, target[rows], terms, shard, ignore_index, transform, uniform=smoothing)
+                shard.grad(logits, target[rows], terms, ignore_index, transform, uniform=smoothing)
 
         fused_linear_chunks(
             x2d, weight, bias, row_chunks(n_rows, chunk_rows), cross_entropy_head, grad_input, grad_weight,
             grad_bias, matmul_scale,
         )
-        finish_grad_input(grad_input, shard)
+        shard.finish_grad_input(grad_input)
         if reduction == "none":
             ctx.save_for_backward(x2d, weight, target, bias, lse)
         else:
@@ -434,10 +448,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_z_loss):
         if ctx.reduction != "none":
             grads = ctx.saved_tensors
-            grad_output = grad_loss.reshape(1).float()
-            for grad, needed in zip(grads, ctx.needs):
-                if needed:
-                    cross_entropy_bwd(grad.view(-1, grad.shape[-1]), grad_output, keep_zeros=True)
+            _scale_grads(grads, ctx.needs, grad_loss.reshape(1).float(), keep_zeros=True)
         else:
             x2d, weight, target, bias, lse = ctx.saved_tensors
             ignore_index, label_smoothing, lse_square_scale, transform = ctx.options
@@ -449,12 +460,11 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
                 rows = slice(*ranges[0])
                 terms = _cross_entropy_terms(lse[rows], grad_loss[rows], label_smoothing, lse_square_scale,
                                              shard.vocab_size)
-                launch_grad(logits, target[rows], terms, shard, ignore_index, transform,
-                            uniform=label_smoothing > 0.0)
+                shard.grad(logits, target[rows], terms, ignore_index, transform, uniform=label_smoothing > 0.0)
 
             fused_linear_chunks(x2d, weight, bias, row_chunks(x2d.shape[0], ctx.chunk_rows), cross_entropy_grad_head,
                                 *grads)
-            finish_grad_input(grads[0], shard)
+            shard.finish_grad_input(grads[0])
             grads = (*grads[:2], None if grads[2] is None else grads[2].to(bias.dtype))
         grad_input, grad_weight, grad_bias = _grads_or_none(grads, ctx.needs, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, *(None,) * 9
@@ -476,128 +486,104 @@ def fused_linear_cross_entropy(input, weight, target, bias, shard: VocabShard, i
     return shaped_losses(loss, z_loss, target, reduction, return_z_loss)
 
 
-def logprob_fields(logits, target, stats, shard: VocabShard, ignore_index, transform, fields) -> None:
-    """Write the rows' ``fields`` (``log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1``:
-    ``[C]`` tensors, ``None`` where not wanted) over the whole vocabulary, from this rank's
-    ``logits [C, V_r]``: its statistics into ``stats [≥ C, N_STATS]``, the chunk's all-gather,
-    the combination. Ignored rows get 0 (and any ``lse``)."""
-    log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1 = fields
-    asked = {
-        "sum_z": mean_logit is not None, "entropy": entropy is not None, "sum_sq": log_sum_sq is not None,
-        "top1": is_top1 is not None,
-    }
-    chunk_stats = stats[: logits.shape[0]]
-    launch_stats(logits, target, chunk_stats, shard, ignore_index, transform, **asked)
-    row = combined_stats(chunk_stats, shard.group, **asked)
-    valid = _valid_rows(target, shard.vocab_size, ignore_index)
-    log_prob.copy_(torch.where(valid, row.log_prob, 0.0))
-    lse.copy_(row.lse)
-    for out, value in ((entropy, row.entropy), (log_sum_sq, row.log_sum_sq), (is_top1, row.is_top1)):
-        if out is not None and value is not None:
-            out.copy_(torch.where(valid, value, torch.zeros((), dtype=value.dtype)))
-    if mean_logit is not None and row.sum_z is not None:
-        mean_logit.copy_(torch.where(valid, row.sum_z / shard.vocab_size, 0.0))
-
-
-def logprob_grad_terms(lse, grad_log_prob=None, grad_entropy=None, entropy=None) -> torch.Tensor:
-    """``[C, N_TERMS]`` of the log-probs' gradient for the upstream ``g = grad_log_prob`` and
-    ``h = grad_entropy`` (``[C]``, ``None`` for 0): dL/dz = g·([j = t] − p) − h·p·(log p + H),
-    so ``a = c = −g``."""
-    terms = lse.new_zeros((lse.shape[0], N_TERMS))
-    terms[:, TERM_LSE.value] = lse
-    if grad_log_prob is not None:
-        terms[:, TERM_PROB.value] = -grad_log_prob.reshape(-1).float()
-        terms[:, TERM_TARGET.value] = terms[:, TERM_PROB.value]
-    if grad_entropy is not None:
-        terms[:, TERM_ENTROPY_GRAD.value] = grad_entropy.reshape(-1).float()
-        terms[:, TERM_ENTROPY.value] = entropy
-    return terms
-
-
 class VocabParallelLogprobsFunction(torch.autograd.Function):
     """As :class:`~tigon.ops.fused_linear_logprobs.FusedLinearLogprobsFunction` on a vocabulary
-    shard, always with a recomputing backward (``8·N·H·V / tp`` matmul FLOPs per rank): it saves
-    the inputs, the global ``lse`` and entropy, and the logits buffer, which still holds the last
-    chunk's logits, so backward starts there. A recomputing backward runs inside
+    shard. Saves the inputs, the global ``lse`` and entropy for a recomputing backward
+    (``8·N·H·V / tp`` matmul FLOPs per rank), and the logits buffer, which still holds the last
+    chunk's logits, so backward starts there. With ``grad_in_forward`` (and more than one chunk)
+    the forward also computes the gradients of ``Σ log_prob`` (``6·N·H·V / tp``), which backward
+    scales when the upstream gradient keeps the promise (uniform over the non-ignored rows, none
+    to the entropy), else recomputes, as the one-process op. A recomputing backward runs inside
     ``backward_context()`` when one is given."""
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, shard: VocabShard, ignore_index, temperature, softcap, logit_scale,
-                stored, chunk_memory_bytes, needs, backward_context):
+                stored, chunk_memory_bytes, needs, grad_in_forward, backward_context):
         x2d, target = as_rows(input), target.reshape(-1)
         n_rows = x2d.shape[0]
         chunk_rows = chunk_rows_for(n_rows, shard.max_shard, x2d.element_size(), chunk_memory_bytes)
-        store_entropy, store_log_sum_sq, store_mean_logit, store_is_top1 = stored
-
-        def field(wanted, dtype=torch.float32):
-            return x2d.new_empty(n_rows if wanted else 0, dtype=dtype)
-
-        fields = [
-            field(True), field(True), field(store_entropy), field(store_log_sum_sq), field(store_mean_logit),
-            field(store_is_top1, torch.bool),
-        ]
+        grad_in_forward = grad_in_forward and any(needs) and n_rows > chunk_rows
+        grads = new_grads(x2d, weight, *(n and grad_in_forward for n in needs))
+        fields = [x2d.new_empty(n_rows if wanted else 0, dtype=torch.float32) for wanted in (True, True, *stored[:3])]
+        fields.append(x2d.new_empty(n_rows if stored[3] else 0, dtype=torch.bool))
         log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1 = fields
-        stats = x2d.new_empty((min(chunk_rows, n_rows), N_STATS), dtype=torch.float32)
         transform = transform_args(temperature, softcap, logit_scale)
+        ones = x2d.new_ones(min(chunk_rows, n_rows), dtype=torch.float32)
 
         def logprobs_head(ranges, logits):
             rows = slice(*ranges[0])
-            logprob_fields(
-                logits, target[rows], stats, shard, ignore_index, transform,
+            shard.logprob_fields(
+                logits, target[rows], ignore_index, transform,
                 [None if field.numel() == 0 else field[rows] for field in fields],
             )
+            if grad_in_forward:
+                shard.logprob_grad(logits, target[rows], ignore_index, transform, lse[rows], ones[: logits.shape[0]])
 
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
-        fused_linear_chunks(x2d, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head,
+        fused_linear_chunks(x2d, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head, *grads,
                             logits_buffer=logits_buffer)
+        shard.finish_grad_input(grads[0])
+        # With gradients in forward the buffer holds the last chunk's gradient, not its logits.
+        kept = logits_buffer if any(needs) and not grad_in_forward else None
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x2d, weight, target, bias, lse, entropy, logits_buffer if any(needs) else None)
+        ctx.save_for_backward(x2d, weight, target, bias, lse, entropy, kept, *grads)
         ctx.shard, ctx.needs, ctx.input_shape, ctx.chunk_rows = shard, needs, input.shape, chunk_rows
-        ctx.options, ctx.backward_context = (ignore_index, transform), backward_context
+        ctx.options, ctx.grad_in_forward, ctx.backward_context = (ignore_index, transform), grad_in_forward, backward_context
         ctx.mark_non_differentiable(log_sum_sq, mean_logit, is_top1)
         return log_prob, entropy, log_sum_sq, mean_logit, is_top1
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy, *_):
-        x2d, weight, target, bias, lse, entropy, logits_buffer = ctx.saved_tensors
+        x2d, weight, target, bias, lse, entropy, logits_buffer, *grads = ctx.saved_tensors
         if grad_log_prob is None and grad_entropy is None:
-            return (None,) * 13
+            return (None,) * 14
         ignore_index, transform = ctx.options
         shard = ctx.shard
-        terms = logprob_grad_terms(lse, grad_log_prob, grad_entropy, entropy)
-        grads = new_grads(x2d, weight, *ctx.needs)
+        scale = None
+        if ctx.grad_in_forward and grad_entropy is None:
+            grad_rows = grad_log_prob.reshape(-1).float()
+            if host_sync_allowed(grad_rows):
+                scale = uniform_grad(grad_rows, target, ignore_index)
+            else:
+                scale = uniform_grad_or_nan(grad_rows, target, ignore_index)
+        if scale is not None:
+            _scale_grads(grads, ctx.needs, scale, keep_zeros=False)
+        else:
+            grads = new_grads(x2d, weight, *ctx.needs)
 
-        def logprobs_grad_head(ranges, logits):
-            rows = slice(*ranges[0])
-            launch_grad(logits, target[rows], terms[rows], shard, ignore_index, transform,
-                        entropy_grad=grad_entropy is not None)
+            def logprobs_grad_head(ranges, logits):
+                rows = slice(*ranges[0])
+                shard.logprob_grad(
+                    logits, target[rows], ignore_index, transform, lse[rows],
+                    None if grad_log_prob is None else grad_log_prob.reshape(-1)[rows],
+                    None if grad_entropy is None else grad_entropy.reshape(-1)[rows], entropy[rows],
+                )
 
-        chunks = row_chunks(x2d.shape[0], ctx.chunk_rows)
-        with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
-            fused_linear_chunks(
-                x2d, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, *grads,
-                logits_buffer=logits_buffer, first_chunk_computed=True,
-            )
-        finish_grad_input(grads[0], shard)
+            chunks = row_chunks(x2d.shape[0], ctx.chunk_rows)
+            kept = logits_buffer is not None
+            with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
+                fused_linear_chunks(
+                    x2d, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, *grads,
+                    logits_buffer=logits_buffer, first_chunk_computed=kept,
+                )
+            shard.finish_grad_input(grads[0])
         grads = (*grads[:2], None if grads[2] is None else grads[2].to(bias.dtype))
         grad_input, grad_weight, grad_bias = _grads_or_none(grads, ctx.needs, ctx.input_shape)
-        return grad_input, grad_weight, None, grad_bias, *(None,) * 9
+        return grad_input, grad_weight, None, grad_bias, *(None,) * 10
 
 
 def fused_linear_logprobs(input, weight, target, bias, shard: VocabShard, ignore_index, temperature, softcap,
-                          logit_scale, outputs, chunk_memory_bytes, backward_context):
+                          logit_scale, outputs, chunk_memory_bytes, grad_in_forward, backward_context):
     """:func:`tigon.ops.fused_linear_logprobs.fused_linear_logprobs` with ``weight`` (and
     ``bias``) this rank's shard of the vocabulary ``shard``: the five fields, each
     ``target``-shaped, ``None`` unless in ``outputs``."""
-    from tigon.ops.fused_linear_logprobs import FIELDS  # that module imports this one
-
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
     stored = tuple(name in outputs for name in FIELDS[1:])
     bounds = target_bounds(target, ignore_index)
     fields = VocabParallelLogprobsFunction.apply(
         input, weight, target, bias, shard, ignore_index, temperature, softcap, logit_scale, stored,
-        chunk_memory_bytes, needs, backward_context,
+        chunk_memory_bytes, needs, grad_in_forward, backward_context,
     )
     check_target_bounds(bounds, shard.vocab_size, ignore_index)
     return tuple(field.view(target.shape) if name in outputs else None for name, field in zip(FIELDS, fields))
