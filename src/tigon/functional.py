@@ -906,12 +906,12 @@ def fused_linear_cross_entropy(
 
     **Vocabulary-parallel heads.** ``weight`` may be sharded along the vocabulary: a DTensor placed
     ``(Shard(0),)`` on a 1-D device mesh (``bias`` ``None`` or placed alike), or a plain shard with
-    ``process_group``; shards may be uneven (DTensor's 51 and 50 rows of V = 101 over two ranks).
-    ``input`` and ``target`` hold the same tokens on every rank (plain tensors, or DTensors placed
-    ``Replicate()``). Each rank computes its slice's logits chunk by chunk, and one all-gather of a
-    few statistics per token and chunk combines the slices (:mod:`tigon.ops.vocab_parallel`): no rank
-    holds all the logits or the whole weight, and every rank gets the whole loss, equal to one
-    process's. The gradients of ``weight`` and ``bias`` are each rank's slice (a DTensor's placed as
+    ``process_group``; shards may be uneven (DTensor's 51 and 50 rows of V = 101 over two ranks),
+    even empty. ``input`` and ``target`` hold the same tokens on every rank (plain tensors, or
+    DTensors placed ``Replicate()``). Each rank computes its slice's logits chunk by chunk, and one
+    all-gather of a few statistics per token and chunk combines the slices
+    (:mod:`tigon.ops.vocab_parallel`): no rank holds all the logits or the whole weight, and every
+    rank gets the whole loss, equal to one process's. The gradients of ``weight`` and ``bias`` are each rank's slice (a DTensor's placed as
     it); a plain ``input``'s is all-reduced to the whole gradient, a DTensor ``input``'s is placed
     ``Partial()`` (the sum over the ranks, reduced where its placement asks). One more small
     collective per call checks the layout (a host sync). Not under torch.compile or CUDA graphs.

@@ -44,9 +44,10 @@ def results(tmp_path_factory):
         ]
     saved = {}
     for world_size, (out_dir, processes) in launches.items():
-        for rank, process in enumerate(processes):
-            output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-            assert process.returncode == 0, f"rank {rank} of {world_size} failed:\n{output[-4000:]}"
+        outputs = [process.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for process in processes]
+        failed = [f"rank {rank} of {world_size}:\n{output[-3000:]}"
+                  for rank, (process, output) in enumerate(zip(processes, outputs)) if process.returncode != 0]
+        assert not failed, "\n".join(failed)
         saved[world_size] = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world_size)]
     return saved
 
@@ -126,8 +127,16 @@ def test_bad_placements_are_refused(results, name):
             assert kind == BAD_CALLS[name][0] and BAD_CALLS[name][1] in message, got
 
 
-def test_whole_head_needs_no_group():
-    """Without a DTensor or process_group nothing changes: the one-process op."""
+def test_whole_head_takes_the_one_process_path(monkeypatch):
+    """Without a DTensor or process_group, the one-process op runs: no layout is gathered."""
+
+    def no_collective(*args):
+        raise AssertionError("a whole head took the vocabulary-parallel path")
+
+    monkeypatch.setattr(tf._vocab_parallel, "vocab_shard", no_collective)
     x, weight, b, target, _ = problem(True)
-    assert_within("loss", tf.fused_linear_cross_entropy(x, weight, target, b, process_group=None),
-                  tf.fused_linear_cross_entropy(x, weight, target, b))
+    loss = tf.fused_linear_cross_entropy(x, weight, target, b, process_group=None)
+    assert_within("loss", loss, reference.fused_linear_cross_entropy(x.double(), weight.double(), target, b.double()))
+    log_probs = tf.fused_linear_logprobs(x, weight, target, b)[0]
+    assert_within("log_probs", log_probs, reference.fused_linear_logprobs(x.double(), weight.double(), target,
+                                                                          b.double())[0])

@@ -30,8 +30,9 @@ N_TOKENS, HIDDEN, VOCAB = (3, 13), 16, 101
 IGNORE_EVERY = 7
 # Rows per chunk (of the largest shard): the 39 tokens run in 4 chunks, the last partial.
 CHUNK_ROWS = 10
-# The uneven shards of the "group" API, per world size (torch.chunk's split is the DTensor cases').
-GROUP_SPLITS = {2: (60, 41), 4: (30, 20, 31, 20)}
+# The uneven shards of the "group" API, per world size (torch.chunk's split is the DTensor cases'),
+# one of them empty.
+GROUP_SPLITS = {2: (60, 41), 4: (30, 0, 51, 20)}
 ALL_OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=3.0)
 LOGPROB_OPTIONS = dict(temperature=0.7, softcap=2.0, logit_scale=1.3)
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")

@@ -166,7 +166,7 @@ def scaled_grads(grads, needs, grad_loss, input_shape):
     grad_output = grad_loss.reshape(1).float()
     scaled = []
     for grad, needed in zip(grads, needs):
-        if needed:
+        if needed and grad.numel() > 0:  # a vocabulary-parallel rank may hold no row of the head
             cross_entropy_bwd(grad.view(-1, grad.shape[-1]), grad_output)
         scaled.append(grad if needed else None)
     if scaled[0] is not None:

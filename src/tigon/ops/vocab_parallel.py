@@ -369,7 +369,7 @@ def _scale_grads(grads, needs, scale, keep_zeros: bool) -> None:
     """The gradients computed in forward, times ``scale`` (fp32 ``[1]``) in place; with
     ``keep_zeros``, zero entries stay zero (see :func:`~tigon.ops.cross_entropy.cross_entropy_bwd`)."""
     for grad, needed in zip(grads, needs):
-        if needed:
+        if needed and grad.numel() > 0:  # a rank may hold no row of a small vocabulary
             cross_entropy_bwd(grad.view(-1, grad.shape[-1]), scale, keep_zeros=keep_zeros)
 
 
