@@ -40,7 +40,8 @@ FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # name → (loss, api, bias, options): loss "flce" (fused_linear_cross_entropy), "logprobs"
 # (fused_linear_logprobs, every field, with gradients from log_probs and entropy),
 # "logprobs_sft" (the same, the gradient from half the sum of the log-probs alone),
-# "logprobs_weighted" (from a weighted sum of the log-probs alone) or "grpo"
+# "logprobs_weighted" (from a weighted sum of the log-probs alone), "trl_head" (as "logprobs",
+# through tigon.trl.TigonLogProbHead.apply, TRL's call) or "grpo"
 # (fused_linear_grpo off-policy, the loss and every metric; "chunk_rows" sets its chunks: 26 holds
 # two whole completions, 10 less than one, so GSPO's and VESPO's losses take two passes); api "group"
 # (plain shards and process_group), "dtensor" (a DTensor weight, a plain input) or
@@ -65,6 +66,8 @@ CASES: dict[str, tuple[str, str, bool, dict]] = {
     "logprobs-sft-dtensor": ("logprobs_sft", "dtensor", False, dict(LOGPROB_OPTIONS, grad_in_forward=True)),
     "logprobs-sft_broken-group": ("logprobs_weighted", "group", True, dict(grad_in_forward=True)),
     "logprobs-sft_entropy-dtensor": ("logprobs", "dtensor", True, dict(grad_in_forward=True)),
+    # TRL's fused head as tigon.trl serves it, on a tensor-parallel model's DTensor lm_head.
+    "trl_head-dtensor": ("trl_head", "dtensor", False, dict(LOGPROB_OPTIONS)),
     "grpo-dapo-kl-group": ("grpo", "group", True, dict(loss_type="dapo", beta=0.1, temperature=0.9)),
     "grpo-gspo-dtensor": ("grpo", "dtensor", True, dict(loss_type="grpo", importance_sampling_level="sequence",
                                                          chunk_rows=26)),
@@ -120,7 +123,7 @@ def loss_to_backward(kind: str, options: dict, outputs, upstream: torch.Tensor) 
         return outputs[0].sum() * 0.5
     if kind == "logprobs_weighted":
         return (outputs[0] * upstream[0]).sum()
-    if kind == "logprobs":
+    if kind in ("logprobs", "trl_head"):
         log_probs, entropy = outputs[:2]
         return (log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum()
     loss = outputs[0] if options.get("return_z_loss") else outputs
@@ -137,6 +140,14 @@ def call(kind: str, x, weight, b, target, options: dict, **extra):
                                                **constants, **options, **extra))
     if kind == "flce":
         return tf.fused_linear_cross_entropy(x, weight, target, b, **options, **extra)
+    if kind == "trl_head":
+        from tigon.trl import TigonLogProbHead
+
+        TigonLogProbHead.grad_in_forward = True  # as patch_trl leaves it
+        return TigonLogProbHead.apply(
+            x, weight, b, target, options.get("temperature", 1.0), 0, options.get("softcap"),
+            options.get("logit_scale", 1.0), FIELDS,
+        )
     return tf.fused_linear_logprobs(x, weight, target, b, outputs=FIELDS, **options, **extra)
 
 
