@@ -26,12 +26,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tigon bench",
         usage="tigon bench [OP ...] [options] | tigon bench e2e [options] | tigon bench moe [options] | "
-        "tigon bench longctx [options]",
+        "tigon bench longctx [options] | tigon bench axolotl [options]",
         description="Time every op against its peers on this GPU and write CSV, JSON and plots. "
         "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing. "
         "`tigon bench e2e` trains models end to end instead (Llama, Qwen3-MoE, Qwen2.5-VL, DeepSeek-V3, GPT-OSS; "
         "under TRL with --trl, FSDP2 with --gpus); `tigon bench moe` times whole MoE blocks; `tigon bench longctx` "
-        "searches the longest sequence each setup trains at batch 1 under a memory cap (see their --help).",
+        "searches the longest sequence each setup trains at batch 1 under a memory cap; `tigon bench axolotl` times "
+        "Axolotl's own training, plain, with its Liger plugin and with tigon's (see their --help).",
     )
     parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OPS)}")
     parser.add_argument("--mode", choices=MODES, default="full",
@@ -152,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         from tigon.bench import moe
 
         return moe.main(argv[1:])
+    if argv[:1] == ["axolotl"]:
+        from tigon.bench import axolotl
+
+        return axolotl.main(argv[1:])
     if argv[:1] == ["longctx"]:
         from tigon.bench import longctx
 
