@@ -205,3 +205,22 @@ def test_memory_budget_runs_the_planner_when_training_begins(workspace, monkeypa
     assert options == {"optimizer": optimizer, "offload": "auto"}
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (2, 64)
     assert int(batch["input_ids"].max()) < model.config.vocab_size
+
+
+@pytest.mark.slow
+def test_bench_axolotl_smoke_times_each_setup_on_the_same_losses(tmp_path):
+    # `tigon bench axolotl` as a user runs it without a GPU: the tiny model, 3 steps of each setup
+    # through `axolotl train` with the timing plugin. Liger is left out: it cannot train on the CPU.
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "tigon.bench", "axolotl", "--setups", "axolotl", "tigon", "--out", str(tmp_path)]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+    record = json.loads((tmp_path / "axolotl_smoke.json").read_text())
+    plain, tigon = record["results"]
+    assert (plain["setup"], tigon["setup"]) == ("axolotl", "tigon")
+    for row in (plain, tigon):
+        assert row["steps"] == 3 and row["timed_steps"] == 2 and row["tokens_per_s"] > 0, row
+        assert len(row["losses"]) == 3 and row["peak_gib"] is None  # no memory counter on the CPU
+    assert tigon["losses"] == pytest.approx(plain["losses"], rel=RELATIVE_TOLERANCE)
+    assert "tigon " in result.stdout and "axolotl " in result.stdout  # the table

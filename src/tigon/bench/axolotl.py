@@ -21,11 +21,13 @@ Each setup is an ``axolotl train`` process of its own, with the timing plugin of
 :mod:`tigon.bench.axolotl_timer` added to its plugins: tokens/s is the tokens of the steps after the
 first ``--warmup`` (default 2) over their synchronized wall time; peak memory is PyTorch's peak
 allocated over the whole run. Writes ``axolotl_llama_<adapter>_l<layers>.json`` and ``.csv`` to
-``--out`` (default ``tigon-out/bench-<gpu>``).
+``--out`` (default ``tigon-out/bench-<gpu>``). ``--smoke`` (the only run without a GPU) trains the
+tiny Llama of :mod:`tigon.bench.e2e_models` in fp32, 3 steps of 2 × 64 tokens, through the same
+commands (``axolotl_smoke.json``): its timings mean nothing.
 
     tigon bench axolotl [--setups axolotl liger tigon] [--adapter lora | none] [--layers 4]
         [--seq-len 4096] [--micro-batch 2] [--steps 12] [--warmup 2] [--samples 64] [--timeout S]
-        [--workspace DIR] [--out DIR]
+        [--smoke] [--workspace DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import shutil
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,7 +99,7 @@ def save_data(path: Path, vocab_size: int, samples: int, seq_len: int) -> None:
             data.write(json.dumps({"text": text}) + "\n")
 
 
-def axolotl_config(args, workspace: Path, setup: str) -> dict:
+def axolotl_config(args: argparse.Namespace, workspace: Path, setup: str) -> dict:
     """The Axolotl config of ``setup``: the shared training config and the setup's plugin keys."""
     config = {
         "base_model": str(workspace / "model"),
@@ -105,7 +108,8 @@ def axolotl_config(args, workspace: Path, setup: str) -> dict:
         "output_dir": str(workspace / setup),
         "sequence_len": args.seq_len, "sample_packing": False, "pad_to_sequence_len": True, "train_on_inputs": True,
         "micro_batch_size": args.micro_batch, "gradient_accumulation_steps": 1, "max_steps": args.steps,
-        "num_epochs": 1, "optimizer": "adamw_torch" if args.smoke else "adamw_torch_fused", "lr_scheduler": "constant", "learning_rate": 1e-4,
+        "num_epochs": 1, "optimizer": "adamw_torch" if args.smoke else "adamw_torch_fused",
+        "lr_scheduler": "constant", "learning_rate": 1e-4,
         "val_set_size": 0, "logging_steps": 1, "save_strategy": "no", "seed": 42,
         "bf16": not args.smoke, "fp16": False, "tf32": not args.smoke, "attn_implementation": "sdpa",
         "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
@@ -116,14 +120,14 @@ def axolotl_config(args, workspace: Path, setup: str) -> dict:
             "lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False,
             "lora_embedding_kernel": False,
         }
-    keys = dict(SETUPS[setup])
+    keys: dict[str, Any] = dict(SETUPS[setup])
     if setup == "tigon" and args.adapter == "lora":
         keys["tigon_lora"] = True
     keys["plugins"] = [*keys.get("plugins", []), TIMER_PLUGIN]
     return config | keys
 
 
-def run_setup(args, workspace: Path, setup: str) -> dict:
+def run_setup(args: argparse.Namespace, workspace: Path, setup: str) -> dict:
     """One ``axolotl train`` of ``setup``: its timings and losses, or the error that stopped it."""
     config = axolotl_config(args, workspace, setup)
     path = workspace / f"{setup}.yml"
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     save_data(workspace / "data.jsonl", vocab_size, args.samples, args.seq_len)
     adapter = "LoRA r 16" if args.adapter == "lora" else "every weight"
     shapes = "the tiny stand-in for Llama-3-8B (smoke run: timings mean nothing)" if smoke else "Llama-3-8B shapes"
-    record = {
+    record: dict[str, Any] = {
         "title": f"Axolotl train, {shapes}, {args.layers} layers, {adapter}, "
                  f"{args.micro_batch} × {args.seq_len} tokens per step, {'fp32' if smoke else 'bf16'}",
         "config": {key: value for key, value in vars(args).items() if key not in ("out", "workspace")},
