@@ -689,13 +689,18 @@ def _expert_id_bounds(top_k_index: torch.Tensor) -> Any:
     return range_to_host(top_k_index)
 
 
-def _check_expert_ids(bounds: Any, n_experts: int) -> None:
+def _check_expert_ids(bounds: Any, n_experts: int, allow_dropped: bool) -> None:
     if bounds is None:
         return
     low, high = read_range(bounds)
-    if low < 0 or high >= n_experts:
+    last = n_experts if allow_dropped else n_experts - 1  # id E: a dropped slot
+    if low < 0 or high > last:
+        expected = (
+            f"[0, {n_experts}] ({n_experts}: a dropped slot, as expert parallelism marks another rank's experts)"
+            if allow_dropped else f"[0, {n_experts})"
+        )
         raise ValueError(
-            f"top_k_index must hold expert ids in [0, {n_experts}) (gate_up_proj has {n_experts} experts), "
+            f"top_k_index must hold expert ids in {expected}, as gate_up_proj has {n_experts} experts; "
             f"got ids from {low} to {high}"
         )
 
@@ -704,7 +709,7 @@ def moe_experts(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
     gate: MoEGate = "swiglu", transposed: bool = False, interleaved: bool = False, alpha: float = 1.702,
-    limit: float = 7.0,
+    limit: float = 7.0, allow_dropped: bool = False,
 ) -> torch.Tensor:
     """A mixture-of-experts layer's experts, fused (transformers' experts forward, whose
     ``experts_implementation="tigon"`` this is)::
@@ -713,7 +718,7 @@ def moe_experts(
 
     Args:
         hidden_states: ``x [T, H]``.
-        top_k_index: ``[T, k]`` int64/int32 expert ids in ``[0, E)``.
+        top_k_index: ``[T, k]`` int64/int32 expert ids in ``[0, E)`` (``[0, E]`` with ``allow_dropped``).
         top_k_weights: ``[T, k]`` routing weights, any float dtype; their gradient is returned.
         gate_up_proj: ``[E, 2I, H]`` (``[E, H, 2I]`` when ``transposed``), the gate and up
             projections' columns concatenated ``[gate | up]`` or, with ``interleaved``, in pairs.
@@ -721,6 +726,9 @@ def moe_experts(
         gate_up_bias, down_bias: optional ``[E, 2I]`` (same column order) and ``[E, H]``.
         gate: ``"swiglu"`` (``silu(gate) · up``), ``"geglu"`` (tanh GELU) or ``"swiglu_clamped"``
             (GPT-OSS's, with ``alpha`` and ``limit``: :func:`swiglu_clamped`).
+        allow_dropped: also take id ``E`` in ``top_k_index``, which marks a dropped slot, as
+            transformers' expert parallelism marks the slots of another rank's experts: it adds
+            nothing to the output or to any gradient, and its routing weight gets gradient 0.
     Returns ``[T, H]`` in ``hidden_states``' dtype. Gradients reach ``hidden_states``, the routing
     weights, the weights and the biases. The expert ids are checked on the host with a wait taken
     once the kernels are queued (the GPU stays busy), skipped under torch.compile and CUDA graphs.
@@ -736,7 +744,7 @@ def moe_experts(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
         gate, bool(transposed), bool(interleaved), float(alpha), float(limit),
     )
-    _check_expert_ids(bounds, gate_up_proj.shape[0])
+    _check_expert_ids(bounds, gate_up_proj.shape[0], allow_dropped)
     return out
 
 

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -112,20 +114,15 @@ def test_moe_experts_edge_cases():
     assert_close(grads["hidden_states"], truth_grads["hidden_states"], torch.float32, "grad of hidden_states")
 
 
-def _op(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate,
-        transposed, interleaved):
-    return moe.MoEExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                        gate_up_bias, down_bias, gate, transposed, interleaved, 1.702, 7.0)
-
-
 @pytest.mark.parametrize("shape, layout", [
     *((SHAPES[0], layout) for layout in LAYOUTS),
     ((37, 32, 24, 1, 1), LAYOUTS[0]),  # one expert on this rank: every slot kept or dropped
 ], ids=lambda value: "-".join(str(v) for v in value))
 def test_dropped_slots_add_nothing_and_get_no_gradient(shape, layout):
-    """Slots routed to id E (expert parallelism's slots of another rank's experts) add nothing to
-    the output or to any gradient, and their weights' gradient is 0. Uninitialised memory is
-    NaN here (deterministic mode), so a row that no kernel writes shows."""
+    """Slots routed to id E (expert parallelism's slots of another rank's experts), which
+    moe_experts takes with allow_dropped only, add nothing to the output or to any gradient, and
+    their weights' gradient is 0. Uninitialised memory is NaN here (deterministic mode), so a row
+    that no kernel writes shows."""
     inputs = _experts(shape, torch.float32, layout)
     n_experts = inputs["gate_up_proj"].shape[0]
     index = inputs["top_k_index"]
@@ -134,11 +131,14 @@ def test_dropped_slots_add_nothing_and_get_no_gradient(shape, layout):
     inputs["top_k_index"] = index.masked_fill(dropped, n_experts)
     with torch.no_grad():
         inputs["top_k_weights"].masked_fill_(dropped, 0.0)
+    with pytest.raises(ValueError, match=rf"top_k_index must hold expert ids in \[0, {n_experts}\), .*"
+                                         rf"got ids from 0 to {n_experts}$"):
+        tf.moe_experts(**inputs, gate=layout[0], transposed=layout[1], interleaved=layout[2])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
         torch.use_deterministic_algorithms(True)
         try:
-            out, grads = _run(inputs, layout, _op)
+            out, grads = _run(inputs, layout, functools.partial(tf.moe_experts, allow_dropped=True))
         finally:
             torch.use_deterministic_algorithms(False)
     truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
@@ -173,6 +173,13 @@ def test_moe_experts_refuses_bad_input():
     bad_ids[3, 1] = n_experts
     with pytest.raises(ValueError, match=rf"top_k_index must hold expert ids in \[0, {n_experts}\).*got ids from 0 to {n_experts}"):
         tf.moe_experts(**{**inputs, "top_k_index": bad_ids})
+    bad_ids[3, 1] = n_experts + 1
+    with pytest.raises(ValueError, match=rf"top_k_index must hold expert ids in \[0, {n_experts}\] \({n_experts}: a dropped "
+                                         rf"slot.*got ids from 0 to {n_experts + 1}"):
+        tf.moe_experts(**{**inputs, "top_k_index": bad_ids}, allow_dropped=True)
+    bad_ids[3, 1] = -1
+    with pytest.raises(ValueError, match=r"got ids from -1 to"):
+        tf.moe_experts(**{**inputs, "top_k_index": bad_ids}, allow_dropped=True)
     with pytest.raises(ValueError, match=r"down_proj must have shape .*\[E, H, I\]"):
         tf.moe_experts(**{**inputs, "down_proj": inputs["down_proj"][:, :, :-1]})
     with pytest.raises(ValueError, match=r"gate_up_proj must have shape .*transposed \[E, H, 2I\]"):

@@ -59,8 +59,7 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
-from tigon.ops import moe as _moe
-from tigon.ops._launch import host_sync_allowed, range_to_host, read_range
+from tigon import functional as F
 from tigon.transformers import layers
 from tigon.transformers.families import FAMILIES
 
@@ -127,13 +126,10 @@ def experts_kernel(experts) -> dict:
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' experts forward (``self``, a ``use_experts_implementation`` module) by
-    tigon's experts kernel (:func:`tigon.functional.moe_experts`'s): ``hidden_states [T, H]``,
-    ``top_k_index [T, k]`` expert ids in ``[0, E]`` (``E``, the module's number of experts, is
-    expert parallelism's sentinel: a slot of another rank's experts, dropped) and
-    ``top_k_weights [T, k]`` routing weights → ``[T, H]`` in ``hidden_states``' dtype.
-
-    The ids are transformers' contract, wider than :func:`~tigon.functional.moe_experts`' (which
-    refuses ``E``), so the kernel is called here, with the same wait-free check of the ids."""
+    :func:`tigon.functional.moe_experts`: ``hidden_states [T, H]``, ``top_k_index [T, k]`` expert
+    ids in ``[0, E]`` (``E``, the module's number of experts, is expert parallelism's sentinel: a
+    slot of another rank's experts, dropped: ``allow_dropped``) and ``top_k_weights [T, k]``
+    routing weights → ``[T, H]`` in ``hidden_states``' dtype."""
     kernel = experts_kernel(self)
     weights = dict(
         gate_up_proj=self.gate_up_proj, down_proj=self.down_proj,
@@ -142,22 +138,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     )
     _refuse_dtensors(self, dict(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
                                 **weights))
-    n_experts = self.gate_up_proj.shape[0]
-    bounds = range_to_host(top_k_index) if top_k_index.numel() and host_sync_allowed(top_k_index) else None
-    options = {"alpha": 0.0, "limit": 0.0, **kernel}  # alpha and limit: read by the clamped gate only
-    output = _moe.MoEExpertsFunction.apply(
-        hidden_states.to(self.gate_up_proj.dtype), top_k_index, top_k_weights, *weights.values(),
-        options["gate"], bool(self.is_transposed), options["interleaved"], float(options["alpha"]),
-        float(options["limit"]),
+    output = F.moe_experts(
+        hidden_states.to(self.gate_up_proj.dtype), top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        gate_up_bias=weights["gate_up_proj_bias"], down_bias=weights["down_proj_bias"],
+        transposed=bool(self.is_transposed), allow_dropped=True, **kernel,
     )
-    if bounds is not None:
-        low, high = read_range(bounds)
-        if low < 0 or high > n_experts:
-            raise ValueError(
-                f"top_k_index must hold expert ids in [0, {n_experts}] ({n_experts}: expert parallelism's slots of "
-                f"another rank's experts), as {type(self).__name__}.gate_up_proj has {n_experts} experts; "
-                f"got ids from {low} to {high}"
-            )
     return output.to(hidden_states.dtype)
 
 
