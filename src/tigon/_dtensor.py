@@ -1,10 +1,12 @@
-"""tigon's layer functions on DTensors: the kernel runs on each rank's local shard wherever the op
-is local along the sharded dimensions, so nothing a tensor-parallel plan keeps sharded is gathered.
+"""DTensors through tigon's functions: :func:`on_local_shards` decorates the entry points of
+:mod:`tigon.functional` (the norms, the gates, RoPE) so that the kernel runs on each rank's local
+shard wherever the op is local along the sharded dimensions, and nothing a tensor-parallel plan
+keeps sharded is gathered. This module needs only torch, so that functional can import it.
 
 Tensor parallelism hands a layer DTensors (``torch.distributed.tensor``) when its plan keeps
 them: a sequence-parallel norm gets ``x`` sharded on the sequence with a replicated weight
 (torch's ``SequenceParallel``), column-parallel projections kept as DTensors give gate, up, q and k
-sharded on their last dimension. The kernels take plain tensors, so each function here runs on
+sharded on their last dimension. The kernels take plain tensors, so a decorated function runs on
 the local tensors and wraps the results back with the input's placements, after checking that
 this is exact:
 
@@ -40,8 +42,6 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-
-from tigon import functional as F
 
 FunctionT = TypeVar("FunctionT", bound=Callable[..., Any])
 
@@ -207,12 +207,3 @@ def _from_local(result: Any, like: DTensor) -> Any:
         result = _Wait.apply(result)
     return DTensor.from_local(result, like.device_mesh, like.placements, run_check=False)
 
-
-# The functions the patched layers and tigon.nn's modules call.
-rms_norm = on_local_shards(NORM)(F.rms_norm)
-rms_norm_gated = on_local_shards(NORM)(F.rms_norm_gated)
-layer_norm = on_local_shards(NORM)(F.layer_norm)
-swiglu = on_local_shards(GATE)(F.swiglu)
-geglu = on_local_shards(GATE)(F.geglu)
-relu2 = on_local_shards(GATE)(F.relu2)
-rope = on_local_shards(ROPE)(F.rope)

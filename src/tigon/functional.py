@@ -5,6 +5,12 @@ Triton's interpreter), computes in fp32 and returns the input dtype unless state
 All gradients are exact (fp32 math, one rounding on store) and flow to every tensor input.
 Options read as plain numbers (``eps``, ``offset``, ``temperature``...) get none: one given as a
 tensor that requires grad is refused rather than silently left without a gradient.
+
+The norms, the gates and RoPE also take DTensors (tensor parallelism's activations) placed where
+the op is local, and run on each rank's shard (:mod:`tigon._dtensor`): the norms on activations
+replicated or sharded on any dimension but the last (the weight and bias replicated), the gates on
+``gate`` and ``up`` placed alike, RoPE on ``q`` and ``k`` sharded by heads (the tables replicated).
+Other placements raise a ``ShardingError`` (a ``ValueError``) naming them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from tigon._checks import (
     check_tensor,
     vocab_sharded_head,
 )
+from tigon._dtensor import GATE, NORM, ROPE, on_local_shards
 from tigon.ops import cross_entropy as _cross_entropy
 from tigon.ops import fused_linear_cross_entropy as _fused_linear_cross_entropy
 from tigon.ops import fused_linear_logprobs as _fused_linear_logprobs
@@ -90,6 +97,7 @@ def _check_norm_args(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
     check_same_device(x=x, weight=weight, bias=bias)
 
 
+@on_local_shards(NORM)
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
     casting_mode: CastingMode = "llama",
@@ -133,6 +141,7 @@ def fused_add_rms_norm(
     return _rms_norm.fused_add_rms_norm(x, residual, weight, float(eps), float(offset), casting_mode)
 
 
+@on_local_shards(NORM)
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
     group_size: int | None = None, norm_before_gate: bool = True, casting_mode: CastingMode = "llama",
@@ -193,6 +202,7 @@ def rms_norm_gated(
     return _rms_norm.rms_norm_gated(x, gate, weight, float(eps), group_size, bool(norm_before_gate), casting_mode)
 
 
+@on_local_shards(NORM)
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5,
     offset: float = 0.0,
@@ -250,6 +260,7 @@ def _check_mrope_section(mrope_section: Sequence[int], rotary_dim: int) -> tuple
     return section
 
 
+@on_local_shards(ROPE)
 def rope(
     q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None, *,
     interleaved: bool = False, deinterleave_output: bool = False, rotary_last: bool = False,
@@ -342,6 +353,7 @@ def _check_gated_args(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bo
         raise ValueError("inplace_backward=True needs gate and up in separate memory; got the same tensor for both")
 
 
+@on_local_shards(GATE)
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``silu(gate) · up``. Backward recomputes the activation: nothing beyond the inputs is saved.
 
@@ -356,6 +368,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     return _gated.swiglu(gate, up, bool(inplace_backward))
 
 
+@on_local_shards(GATE)
 def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``gelu_tanh(gate) · up`` (GELU with the tanh approximation, as Gemma's MLP).
 
@@ -368,6 +381,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fals
     return _gated.geglu(gate, up, bool(inplace_backward))
 
 
+@on_local_shards(GATE)
 def relu2(x: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """``relu(x)²``, the squared ReLU of Nemotron's MLP (Hugging Face's ``ACT2FN["relu2"]``).
 

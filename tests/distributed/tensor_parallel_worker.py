@@ -16,8 +16,8 @@ plans, patched after sharding):
   ``sequence-parallel-patched-first``: the same plan applied to a model tigon patched before;
 - ``refusals``: placements tigon's layers cannot compute on shards, each error's type and message;
 - ``local-ops``: ``tigon.nn.SwiGLUMLP`` with its gate and up column-parallel DTensors, tigon's
-  RoPE on q and k sharded by heads, ``tigon.nn.RMSNorm`` sequence-parallel, against the same on
-  whole tensors.
+  RoPE on q and k sharded by heads, ``tigon.nn.RMSNorm`` sequence-parallel, and
+  ``tigon.functional``'s norms, gates and RoPE on DTensors, against the same on whole tensors.
 
 A training record holds every step's loss, every parameter's whole gradient (a DTensor's gathered
 with ``full_tensor()``), whether the loss was tigon's fused one (no logits returned), the patched
@@ -200,7 +200,68 @@ def local_ops(tp: int) -> dict:
     errors["rms_norm"] = max(
         _relative(out, truth), _relative(x_grad, truth_grads[0]), _relative(norm.weight.grad, truth_grads[1])
     )
+    errors.update(functional_ops(mesh))
     return errors
+
+
+def _whole_and_sharded(function, inputs: dict, placements: dict) -> float:
+    """The largest relative error of ``function`` on DTensors (``inputs`` distributed as
+    ``placements`` says, the rest plain) over its output and every input's gradient, against the
+    same call on the whole tensors."""
+    outputs = function(**inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    grads_out = [torch.randn_like(output) for output in outputs]
+    leaves = {name: value for name, value in inputs.items() if isinstance(value, torch.Tensor) and value.requires_grad}
+    truth_grads = torch.autograd.grad(outputs, tuple(leaves.values()), grads_out)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    distributed = {
+        name: distribute_tensor(value.detach(), mesh, placements[name]).requires_grad_(value.requires_grad)
+        if name in placements else value
+        for name, value in inputs.items()
+    }
+    sharded = function(**distributed)
+    sharded = sharded if isinstance(sharded, tuple) else (sharded,)
+    torch.autograd.backward(sharded, [distribute_tensor(g, mesh, o.placements) for g, o in zip(grads_out, sharded)])
+    return max(
+        *(_relative(o, t) for o, t in zip(sharded, outputs)),
+        *(_relative(distributed[name].grad, truth) for name, truth in zip(leaves, truth_grads)),
+    )
+
+
+def functional_ops(mesh) -> dict:
+    """tigon.functional's norms, gates and RoPE called on DTensors (as a tensor-parallel plan keeps
+    them), against the same calls on whole tensors."""
+    tp = mesh.size()
+    sequence, replicated, columns, heads = [Shard(1)], [Replicate()], [Shard(-1)], [Shard(1)]
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    gates = {}
+    for name in ("swiglu", "geglu"):
+        gates[name] = _whole_and_sharded(
+            getattr(tigon.functional, name), dict(gate=leaf(BATCH, SEQ, 16 * tp), up=leaf(BATCH, SEQ, 16 * tp)),
+            dict(gate=columns, up=columns),
+        )
+    gates["relu2"] = _whole_and_sharded(tigon.functional.relu2, dict(x=leaf(BATCH, SEQ, 16 * tp)), dict(x=columns))
+    norm_inputs = dict(x=leaf(BATCH, SEQ, 32), weight=leaf(32))
+    return {
+        "functional_rms_norm": max(
+            _whole_and_sharded(tigon.functional.rms_norm, norm_inputs, dict(x=sequence, weight=replicated)),
+            _whole_and_sharded(tigon.functional.rms_norm, norm_inputs, dict(x=replicated, weight=replicated)),
+        ),
+        "functional_layer_norm": _whole_and_sharded(
+            tigon.functional.layer_norm, dict(**norm_inputs, bias=leaf(32)),
+            dict(x=sequence, weight=replicated, bias=replicated),
+        ),
+        "functional_gates": max(gates.values()),
+        "functional_rope": _whole_and_sharded(
+            tigon.functional.rope,
+            dict(q=leaf(BATCH, 2 * tp, SEQ, 16), k=leaf(BATCH, 2 * tp, SEQ, 16),
+                 cos=torch.randn(BATCH, SEQ, 16), sin=torch.randn(BATCH, SEQ, 16)),
+            dict(q=heads, k=heads),
+        ),
+    }
 
 
 def main():

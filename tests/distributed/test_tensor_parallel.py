@@ -83,7 +83,10 @@ def test_matches_one_process(records, tp, case, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", ["2", "4"])
-@pytest.mark.parametrize("op", ["swiglu_mlp", "rope", "rms_norm"])
+@pytest.mark.parametrize("op", [
+    "swiglu_mlp", "rope", "rms_norm",
+    "functional_rms_norm", "functional_layer_norm", "functional_gates", "functional_rope",
+])
 def test_ops_on_local_shards(records, tp, op):
     """The output and every gradient of a DTensor-sharded call equal the whole-tensor call's."""
     assert records[tp]["local-ops"][op] <= TOLERANCE

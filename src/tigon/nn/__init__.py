@@ -11,7 +11,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as _module
 
-from tigon import _dtensor as D
 from tigon import functional as F
 from tigon.functional import CastingMode, Reduction
 
@@ -42,7 +41,7 @@ class RMSNorm(nn.Module):
         self.casting_mode = casting_mode
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return D.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
+        return F.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}, offset={self.offset}, casting_mode={self.casting_mode!r}"
@@ -68,7 +67,7 @@ class RMSNormGated(nn.Module):
         self.casting_mode = casting_mode
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        return D.rms_norm_gated(
+        return F.rms_norm_gated(
             hidden_states, gate, self.weight, self.variance_epsilon, group_size=self.group_size,
             norm_before_gate=self.norm_before_gate, casting_mode=self.casting_mode,
         )
@@ -95,7 +94,7 @@ class LayerNorm(nn.Module):
         self.offset = offset
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return D.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.offset)
+        return F.layer_norm(hidden_states, self.weight, self.bias, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
@@ -153,14 +152,14 @@ class _GatedMLP(nn.Module):
 class SwiGLUMLP(_GatedMLP):
     """Llama-style MLP: ``down_proj(silu(gate_proj(x)) · up_proj(x))``."""
 
-    _gate = staticmethod(D.swiglu)
+    _gate = staticmethod(F.swiglu)
     _gate_linear = staticmethod(F.swiglu_linear)
 
 
 class GeGLUMLP(_GatedMLP):
     """Gemma-style MLP: ``down_proj(gelu_tanh(gate_proj(x)) · up_proj(x))``."""
 
-    _gate = staticmethod(D.geglu)
+    _gate = staticmethod(F.geglu)
     _gate_linear = staticmethod(F.geglu_linear)
 
 

@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor
 
 from transformers.activations import ACT2FN
 
-from tigon import _dtensor as D
 from tigon import functional as F
 from tigon.ops.gated import auto_tile_rows
 from tigon.transformers.lora import mlp_projection
@@ -45,7 +44,7 @@ class TigonRMSNorm:
 
     def forward(self, hidden_states):
         eps = getattr(self, self.eps_attribute)
-        return D.rms_norm(hidden_states, getattr(self, "weight", None), eps, self.offset, self.casting_mode)
+        return F.rms_norm(hidden_states, getattr(self, "weight", None), eps, self.offset, self.casting_mode)
 
 
 class TigonGatedRMSNorm(TigonRMSNorm):
@@ -57,12 +56,12 @@ class TigonGatedRMSNorm(TigonRMSNorm):
     def forward(self, hidden_states, gate=None):
         eps = getattr(self, self.eps_attribute)
         if gate is None:
-            return D.rms_norm(hidden_states, self.weight, eps, casting_mode=self.casting_mode)
+            return F.rms_norm(hidden_states, self.weight, eps, casting_mode=self.casting_mode)
         # Falcon-H1's mixer gives an fp32 input and a gate in the model's dtype, which the module
         # takes in fp32: the gate widened to the input's dtype is exact.
         gate = gate.to(hidden_states.dtype)
         group_size = hidden_states.shape[-1] // getattr(self, "n_groups", 1)
-        return D.rms_norm_gated(
+        return F.rms_norm_gated(
             hidden_states, gate, self.weight, eps, group_size=group_size,
             norm_before_gate=getattr(self, "norm_before_gate", True), casting_mode=self.casting_mode,
         )
@@ -80,7 +79,7 @@ class TigonLayerNorm:
         if len(self.normalized_shape) != 1:
             return super().forward(hidden_states)
         eps = getattr(self, self.eps_attribute)
-        return D.layer_norm(hidden_states, self.weight, self.bias, eps, offset=self.offset)
+        return F.layer_norm(hidden_states, self.weight, self.bias, eps, offset=self.offset)
 
 
 class TigonMLP:
@@ -100,7 +99,7 @@ class TigonMLP:
 
     def _gated(self, gate, up):
         # The projections' outputs feed nothing but the gate, so its backward may overwrite them.
-        return getattr(D, self.gate)(gate, up, inplace_backward=True)
+        return getattr(F, self.gate)(gate, up, inplace_backward=True)
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -167,7 +166,7 @@ class TigonUngatedMLP(TigonMLP):
     """``down_proj(act(up_proj(x)))`` with the activation by tigon (Nemotron's squared ReLU)."""
 
     def forward(self, x):
-        return self.down_proj(getattr(D, self.gate)(self.up_proj(x), inplace_backward=True))
+        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=True))
 
 
 class TigonClampedSwiGLUExperts(TigonMLP):
@@ -274,32 +273,32 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """Llama's ``apply_rotary_pos_emb``: ``x · cos + rotate_half(x) · sin`` with ``rotate_half([a,
     b]) = [-b, a]``. q: ``[B, Hq, T, D]``, k: ``[B, Hk, T, D]`` (``unsqueeze_dim=1``), or ``[B, T,
     H, D]`` (``unsqueeze_dim=2``); ``[T, R]`` tables with ``unsqueeze_dim=0`` (Pixtral)."""
-    q_rot, k_rot = D.rope(*_heads_first(unsqueeze_dim, q, k), cos, sin, rotary_dim=cos.shape[-1])
+    q_rot, k_rot = F.rope(*_heads_first(unsqueeze_dim, q, k), cos, sin, rotary_dim=cos.shape[-1])
     return _heads_first(unsqueeze_dim, q_rot, k_rot)
 
 
 def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
     """Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)``: one tensor at a time."""
     (x,) = _heads_first(unsqueeze_dim, x)
-    x_rot, _ = D.rope(x, None, cos, sin, rotary_dim=cos.shape[-1])
+    x_rot, _ = F.rope(x, None, cos, sin, rotary_dim=cos.shape[-1])
     return _heads_first(unsqueeze_dim, x_rot)[0]
 
 
 def apply_rotary_pos_emb_half_table(q, k, cos, sin, unsqueeze_dim=1):
     """GPT-OSS's: the two halves of each head rotate by ``[B, T, D/2]`` tables (one angle per pair)."""
-    q_rot, k_rot = D.rope(*_heads_first(unsqueeze_dim, q, k), cos, sin, rotary_dim=2 * cos.shape[-1])
+    q_rot, k_rot = F.rope(*_heads_first(unsqueeze_dim, q, k), cos, sin, rotary_dim=2 * cos.shape[-1])
     return _heads_first(unsqueeze_dim, q_rot, k_rot)
 
 
 def apply_rotary_emb_complex_bhtd(xq, xk, freqs_cis):
     """DeepSeek V2's ``apply_rotary_emb``: interleaved pairs ``(x[2i], x[2i+1])`` as complex
     numbers times ``freqs_cis [B, T, D/2]``; xq, xk: ``[B, H, T, D]``."""
-    return D.rope(xq, xk, freqs_cis.real, freqs_cis.imag, rotary_dim=xq.shape[-1], interleaved=True)
+    return F.rope(xq, xk, freqs_cis.real, freqs_cis.imag, rotary_dim=xq.shape[-1], interleaved=True)
 
 
 def apply_rotary_emb_complex_bthd(xq, xk, freqs_cis):
     """Llama 4's ``apply_rotary_emb``: the same over ``[B, T, H, D]`` inputs."""
-    q_rot, k_rot = D.rope(
+    q_rot, k_rot = F.rope(
         xq.transpose(1, 2), xk.transpose(1, 2), freqs_cis.real, freqs_cis.imag,
         rotary_dim=xq.shape[-1], interleaved=True,
     )
@@ -310,7 +309,7 @@ def apply_rotary_pos_emb_deepseek_interleave(q, k, cos, sin, position_ids=None, 
     """DeepSeek V3's ``apply_rotary_pos_emb_interleave``: interleaved pairs in, rotated by the first
     half of the table, written out de-interleaved (``[evens | odds]``)."""
     half = cos.shape[-1] // 2
-    q_rot, k_rot = D.rope(
+    q_rot, k_rot = F.rope(
         *_heads_first(unsqueeze_dim, q, k), cos[..., :half], sin[..., :half], rotary_dim=cos.shape[-1],
         interleaved=True, deinterleave_output=True,
     )
@@ -321,7 +320,7 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
     """GLM-4's: interleaved pairs of the first ``R`` features, pair ``i`` rotated by entry ``i`` of
     the table's first half."""
     half = cos.shape[-1] // 2
-    q_rot, k_rot = D.rope(
+    q_rot, k_rot = F.rope(
         *_heads_first(unsqueeze_dim, q, k), cos[..., :half], sin[..., :half], rotary_dim=cos.shape[-1],
         interleaved=True,
     )
@@ -331,7 +330,7 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, unsqueeze_dim=1):
 def apply_rotary_pos_emb_glm4v(q, k, cos, sin, unsqueeze_dim=1):
     """GLM-4V's: interleaved pairs, the table given per feature (each angle repeated for the two
     members of its pair, which read it at their even entry)."""
-    q_rot, k_rot = D.rope(
+    q_rot, k_rot = F.rope(
         *_heads_first(unsqueeze_dim, q, k), cos[..., ::2], sin[..., ::2], rotary_dim=cos.shape[-1],
         interleaved=True,
     )
@@ -342,7 +341,7 @@ def apply_rotary_pos_emb_deepseek_v4(x, cos, sin, unsqueeze_dim=1):
     """DeepSeek V4's: interleaved pairs of the last ``2 · cos.shape[-1]`` features of each head
     (laid out ``[nope | rope]``), one angle per pair; the leading features pass through."""
     (x,) = _heads_first(unsqueeze_dim, x)
-    x_rot, _ = D.rope(x, None, cos, sin, rotary_dim=2 * cos.shape[-1], interleaved=True, rotary_last=True)
+    x_rot, _ = F.rope(x, None, cos, sin, rotary_dim=2 * cos.shape[-1], interleaved=True, rotary_last=True)
     return _heads_first(unsqueeze_dim, x_rot)[0]
 
 
