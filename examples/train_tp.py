@@ -1,4 +1,4 @@
-"""Train a tigon-patched Llama with tensor parallelism under torchrun: Hugging Face's own plan, or torch's with sequence-parallel norms.
+"""Train a tigon-patched Llama with tensor parallelism under torchrun (Hugging Face's own plan, or torch's with sequence-parallel norms), or a Qwen3-MoE with expert parallelism.
 
 Two ways to shard the model over ``--tp`` processes, then ``apply_tigon(model)`` on the result:
 
@@ -16,13 +16,23 @@ The loss: both plans shard lm_head along the vocabulary, and tigon's fused loss 
 shard: each rank the logits of its slice of the vocabulary, chunk by chunk, a few statistics per
 token combined across ranks; no rank builds the whole logits or gathers the weight.
 
+``--ep`` instead spreads a mixture-of-experts model's experts over all the processes:
+``from_pretrained(..., distributed_config=DistributedConfig(tp_size=WORLD_SIZE,
+enable_expert_parallel=True), experts_implementation="tigon")`` (``"grouped_mm"``, transformers'
+own, with ``--no-tigon``), then ``apply_tigon(model)`` for the norms, RoPE and the loss. Each rank
+holds ``E/WORLD_SIZE`` experts and runs every token through them on tigon's kernel; transformers
+sends the tokens and sums the ranks' outputs. Nothing else is sharded. transformers 5.17 builds one
+mesh for either parallelism, so ``--ep`` takes neither ``--tp`` nor ``--plan``.
+
 Tensor-parallel ranks see the same batch: the data here is synthetic and identical everywhere.
-The model is a tiny random Llama by default (each rank saves the same seed-0 weights to its own
-temporary directory and loads them as a checkpoint), or ``--model`` (a directory or Hub id).
+The model is a tiny random Llama (a tiny random Qwen3-MoE with ``--ep``) by default (each rank
+saves the same seed-0 weights to its own temporary directory and loads them as a checkpoint), or
+``--model`` (a directory or Hub id).
 
     torchrun --nproc-per-node 2 examples/train_tp.py --tp 2                      # tp_plan="auto"
     torchrun --nproc-per-node 4 examples/train_tp.py --tp 4 --plan sequence-parallel
     torchrun --nproc-per-node 2 examples/train_tp.py --tp 2 --no-tigon           # plain, to compare
+    torchrun --nproc-per-node 2 examples/train_tp.py --ep                        # expert parallel
 
 NCCL on GPUs, gloo on CPU (where tigon's kernels run through Triton's interpreter: slow, but the
 same numbers).
@@ -46,7 +56,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, Qwen3MoeConfig
 from transformers.distributed import DistributedConfig
 
 from tigon.transformers import apply_tigon
@@ -56,15 +66,26 @@ PLANS = ("auto", "sequence-parallel")
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, choices=(2, 4), default=2, help="tensor-parallel size (= processes)")
-    parser.add_argument("--plan", choices=PLANS, default="auto")
-    parser.add_argument("--model", help="a checkpoint directory or Hub id (default: a tiny random Llama)")
+    parser.add_argument("--tp", type=int, choices=(2, 4), help="tensor-parallel size (= processes; default 2)")
+    parser.add_argument("--plan", choices=PLANS, help="the tensor-parallel plan (default auto)")
+    parser.add_argument("--ep", action="store_true",
+                        help="expert parallel over every process, in place of tensor parallelism")
+    parser.add_argument("--model", help="a checkpoint directory or Hub id (default: a tiny random Llama, "
+                                        "or Qwen3-MoE with --ep)")
     parser.add_argument("--no-tigon", dest="tigon", action="store_false", help="plain Hugging Face, for comparison")
     parser.add_argument("--seq-len", type=int, default=32, help="a multiple of --tp for sequence parallelism")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.ep and (args.tp is not None or args.plan is not None):
+        parser.error(
+            "--ep spreads the experts over every process on transformers' one device mesh, which 5.17 gives to "
+            "either expert or tensor parallelism: drop --tp and --plan, or --ep"
+        )
+    if not args.ep:
+        args.tp, args.plan = args.tp or 2, args.plan or "auto"
+    return args
 
 
 def init_distributed(tp: int) -> torch.device:
@@ -92,12 +113,27 @@ def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
     )
 
 
-def save_tiny_llama(directory: str) -> str:
-    """The tiny Llama with seed-0 weights, saved to ``directory`` (the same weights from every rank;
-    before the process group exists, or only rank 0 writes)."""
+def tiny_qwen3_moe_config(vocab_size: int = 128) -> Qwen3MoeConfig:
+    """2 layers of width 64, every MLP sparse: 8 experts (so 2, 4 or 8 ranks hold some each) of
+    width 64, top-2."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, decoder_sparse_step=1, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def save_tiny(directory: str, config: PreTrainedConfig) -> str:
+    """A causal LM of ``config`` with seed-0 weights, saved to ``directory`` (the same weights from
+    every rank; before the process group exists, or only rank 0 writes)."""
     torch.manual_seed(0)
-    LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
+
+
+def save_tiny_llama(directory: str) -> str:
+    return save_tiny(directory, tiny_llama_config())
 
 
 def parallelize_sequence(model, mesh: DeviceMesh):
@@ -160,6 +196,20 @@ def load_model(path: str, plan: str, tp: int, device: torch.device, tigon: bool 
     return model.train()
 
 
+def load_expert_parallel(path: str, world_size: int, tigon: bool = True):
+    """The mixture-of-experts checkpoint at ``path`` with its experts spread over ``world_size``
+    ranks by transformers' expert parallelism, in fp32: the experts on tigon's kernel and the model
+    patched by tigon, or on transformers' ``grouped_mm`` unless ``tigon``."""
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="tigon" if tigon else "grouped_mm",
+        distributed_config=DistributedConfig(tp_size=world_size, enable_expert_parallel=True),
+    )
+    if tigon:
+        apply_tigon(model)  # the norms, RoPE and the fused loss; the experts are tigon's already
+    model.config.use_cache = False
+    return model.train()
+
+
 def batch(step: int, size: int, seq_len: int, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Step ``step``'s inputs, the same on every rank: random tokens, the first quarter of each
     sequence a prompt (labels -100), and the full ``position_ids``."""
@@ -174,11 +224,17 @@ def batch(step: int, size: int, seq_len: int, vocab_size: int, device: torch.dev
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.ep and world_size < 2:
+        raise SystemExit("--ep needs 2 or more processes (torchrun --nproc-per-node N)")
     with tempfile.TemporaryDirectory() as directory:
         # Saved before the process group exists: within one, save_pretrained writes on rank 0 only.
-        path = args.model or save_tiny_llama(directory)
-        device = init_distributed(args.tp)
-        model = load_model(path, args.plan, args.tp, device, tigon=args.tigon)
+        path = args.model or save_tiny(directory, tiny_qwen3_moe_config() if args.ep else tiny_llama_config())
+        device = init_distributed(world_size if args.ep else args.tp)
+        if args.ep:
+            model = load_expert_parallel(path, world_size, tigon=args.tigon)
+        else:
+            model = load_model(path, args.plan, args.tp, device, tigon=args.tigon)
     rank = dist.get_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for step in range(args.steps):

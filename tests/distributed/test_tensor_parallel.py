@@ -112,14 +112,23 @@ def test_refuses_what_shards_cannot_compute(records, name):
 
 
 @pytest.mark.slow
-def test_example_runs_as_documented():
-    """examples/train_tp.py as a user starts it, on its default tiny model."""
+@pytest.mark.parametrize("arguments", [["--tp", "2", "--plan", "sequence-parallel"], ["--ep"]], ids=" ".join)
+def test_example_runs_as_documented(arguments):
+    """examples/train_tp.py as a user starts it, on its default tiny model (a Llama, a Qwen3-MoE
+    with --ep)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(ROOT / "examples" / "train_tp.py"), "--tp", "2", "--plan", "sequence-parallel", "--steps", "2",
+        str(ROOT / "examples" / "train_tp.py"), *arguments, "--steps", "2",
     ]
     run = subprocess.run(
         command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "step 1: loss" in run.stdout
+
+
+@pytest.mark.parametrize("arguments", [["--ep", "--tp", "2"], ["--ep", "--plan", "auto"]])
+def test_example_refuses_tensor_parallel_options_with_ep(arguments, capsys):
+    with pytest.raises(SystemExit):
+        train_tp.parse_args(arguments)
+    assert "drop --tp and --plan" in capsys.readouterr().err
