@@ -32,11 +32,16 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if torch.cuda.is_available() else _cpu_cores()
 
 
+ONE_WORKER_MODULES = {"tests/ops/test_vocab_parallel.py"}
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist load`` (``-n``'s default) each test goes to the next free worker, except those
     of tests/distributed, which run on one worker, one module after the other: a module's fixture
-    launches the training runs of all its tests once, in three processes of their own. (xdist's
+    launches the training runs of all its tests once, in three processes of their own. The modules
+    of :data:`ONE_WORKER_MODULES` elsewhere, whose fixtures launch process groups the same way, run
+    on one worker each (on two workers, each would launch them). (xdist's
     ``--dist loadgroup`` with ``xdist_group`` marks would say the same, but under pytest 9.2 xdist
     3.8 silently stops grouping: pytest-dev/pytest-xdist#1386.)"""
     if config.getvalue("dist") != "load":
@@ -45,7 +50,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Scheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            return "tests/distributed" if nodeid.startswith("tests/distributed/") else nodeid
+            if nodeid.startswith("tests/distributed/"):
+                return "tests/distributed"
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
 
     return Scheduling(config, log)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,6 +14,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tigon.testing import TOLERANCE
 
 ON_GPU = torch.cuda.is_available()
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module, without putting ``examples/`` on ``sys.path`` (where its
+    ``axolotl/`` and ``llamafactory/`` folders would pass for those packages in this process)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def needs_trl_fused_head():

@@ -23,12 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import relative_error
+from utils import load_example, relative_error
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-import train_tp  # noqa: E402
+train_tp = load_example("train_tp")
 
 LAUNCHES = {
     "one": ["reference"],
