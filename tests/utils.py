@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,10 +18,32 @@ from tigon.testing import TOLERANCE
 ON_GPU = torch.cuda.is_available()
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_worker(worker: Path, *args: str, processes: int = 1) -> subprocess.Popen:
+    """``python worker args`` from the checkout's root, under torchrun (standalone) when
+    ``processes`` > 1, one intra-op thread per process; its output (stderr too) on the Popen's stdout."""
+    launcher = [sys.executable]
+    if processes > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    return subprocess.Popen(
+        [*launcher, str(worker), *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_for(launches, timeout: float) -> None:
+    """Wait for every launch of :func:`launch_worker`; a failed one fails the test with its output's end."""
+    for launch in launches:
+        output, _ = launch.communicate(timeout=timeout)
+        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+
+
 def load_example(name: str):
     """``examples/<name>.py`` as a module, without putting ``examples/`` on ``sys.path`` (where its
     ``axolotl/`` and ``llamafactory/`` folders would pass for those packages in this process)."""
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    path = ROOT / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name

@@ -20,19 +20,21 @@ every process ends with the same parameters.
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
-from utils import relative_error
+from utils import launch_worker, relative_error, wait_for
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 STEPS = 3  # the worker's
 TOLERANCE = 1e-5  # fp32: the same sums in another order
 EXPERTS, TOP_K = 8, 2
@@ -97,13 +99,8 @@ def _launch(processes: int, checkpoints: Path, out: Path) -> subprocess.Popen:
     runs = dict(sorted(runs.items(), key=lambda item: item[1]["tigon"] != "none"))
     runs_file = out / f"{processes}.runs"
     runs_file.write_text(json.dumps(runs))
-    launcher = [sys.executable]
-    if processes > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    command = [*launcher, str(HERE / "expert_parallel_worker.py"), str(checkpoints), str(runs_file), str(out)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    return launch_worker(
+        HERE / "expert_parallel_worker.py", str(checkpoints), str(runs_file), str(out), processes=processes
     )
 
 
@@ -114,9 +111,7 @@ def records(tmp_path_factory) -> dict:
     checkpoints = out / "checkpoints"
     save_checkpoints(checkpoints)
     launches = [_launch(processes, checkpoints, out) for processes in sorted({run.processes for run in RUNS.values()})]
-    for launch in launches:
-        output, _ = launch.communicate(timeout=900)
-        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    wait_for(launches, timeout=900)
     return {
         name: [torch.load(out / f"{name}.rank{rank}.pt") for rank in range(run.processes)]
         for name, run in RUNS.items()

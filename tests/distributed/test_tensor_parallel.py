@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import load_example, relative_error
+from utils import launch_worker, load_example, relative_error, wait_for
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -46,19 +46,11 @@ def records(tmp_path_factory) -> dict:
     """Each launch's records, by launch; the three launches run side by side."""
     out = tmp_path_factory.mktemp("tensor_parallel")
     checkpoint = train_tp.save_tiny_llama(str(out / "checkpoint"))
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launches = {}
-    for name, cases in LAUNCHES.items():
-        launcher = [sys.executable]
-        if name != "one":
-            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", name]
-        command = [*launcher, str(HERE / "tensor_parallel_worker.py"), checkpoint, str(out / f"{name}.pt"), *cases]
-        launches[name] = subprocess.Popen(
-            command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-    for name, launch in launches.items():
-        output, _ = launch.communicate(timeout=600)
-        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    wait_for([
+        launch_worker(HERE / "tensor_parallel_worker.py", checkpoint, str(out / f"{name}.pt"), *cases,
+                      processes=1 if name == "one" else int(name))
+        for name, cases in LAUNCHES.items()
+    ], timeout=600)
     return {name: torch.load(out / f"{name}.pt") for name in LAUNCHES}
 
 

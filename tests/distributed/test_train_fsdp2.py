@@ -12,15 +12,14 @@ gradients' scale, which AdamW's update alone would hide.
 import dataclasses
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from utils import launch_worker, wait_for
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 TINY = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--micro-batch", "1", "--steps", "2"]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -63,14 +62,10 @@ TWO_PROCESSES = {
 }
 
 
-def _launch(launcher: list[str], runs: dict, out: Path, name: str) -> subprocess.Popen:
+def _launch(processes: int, runs: dict, out: Path, name: str) -> subprocess.Popen:
     runs_file = out / f"{name}.runs"
     runs_file.write_text(json.dumps({name: [*TINY, *arguments] for name, arguments in runs.items()}))
-    command = [*launcher, str(HERE / "run_example.py"), str(runs_file), str(out)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return launch_worker(HERE / "run_example.py", str(runs_file), str(out), processes=processes)
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +79,7 @@ def results(tmp_path_factory) -> dict:
         name: ("--grad-accum", "2", *run.arguments)
         for name, run in TWO_PROCESSES.items() if HAS_DEEPSPEED or not run.needs_deepspeed
     }
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    launches = [_launch([sys.executable], single, out, "one"), _launch(torchrun, pair, out, "two")]
-    for launch in launches:
-        output, _ = launch.communicate(timeout=900)
-        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    wait_for([_launch(1, single, out, "one"), _launch(2, pair, out, "two")], timeout=900)
     return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
 
 

@@ -18,18 +18,15 @@ own, both heads train wrongly alike: see ``LM_HEAD_UNIT_BUG``.
 import dataclasses
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from utils import relative_error
+from utils import launch_worker, relative_error, wait_for
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS = 3  # the worker's
 TOLERANCE = 1e-5  # fp32: the same sums in another order
@@ -82,14 +79,10 @@ TWO_PROCESSES = {
 RUNS = {**ONE_PROCESS, **TWO_PROCESSES}
 
 
-def _launch(launcher: list[str], runs: dict, out: Path, name: str) -> subprocess.Popen:
+def _launch(processes: int, runs: dict, out: Path, name: str) -> subprocess.Popen:
     runs_file = out / f"{name}.runs"
     runs_file.write_text(json.dumps({run_name: run.settings for run_name, run in runs.items()}))
-    command = [*launcher, str(HERE / "trl_head_worker.py"), str(runs_file), str(out)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return launch_worker(HERE / "trl_head_worker.py", str(runs_file), str(out), processes=processes)
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +90,7 @@ def records(tmp_path_factory) -> dict:
     """Every run's record, by name. The one-process and two-process launches run side by side."""
     out = tmp_path_factory.mktemp("trl_head")
     pair = {name: run for name, run in TWO_PROCESSES.items() if HAS_DEEPSPEED or run.strategy != "zero3"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    launches = [_launch([sys.executable], ONE_PROCESS, out, "one"), _launch(torchrun, pair, out, "two")]
-    for launch in launches:
-        output, _ = launch.communicate(timeout=600)
-        assert launch.returncode == 0, f"{' '.join(launch.args)} failed:\n{output[-6000:]}"
+    wait_for([_launch(1, ONE_PROCESS, out, "one"), _launch(2, pair, out, "two")], timeout=600)
     return {path.stem: torch.load(path) for path in out.glob("*.pt")}
 
 
