@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import tempfile
 
@@ -101,6 +102,17 @@ def init_distributed(tp: int) -> torch.device:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
+
+
+def close_distributed() -> None:
+    """Destroy the process group once nothing holds it: a DTensor's device mesh keeps the group
+    alive past ``destroy_process_group``, and a gloo group first freed while Python shuts down
+    aborts the process ("terminate called without an active exception"), at random. So the
+    models, optimizers and DTensors must be dropped before this call, which collects them (they
+    sit in reference cycles) and waits for every rank."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def tiny_llama_config(vocab_size: int = 128) -> LlamaConfig:
@@ -244,7 +256,8 @@ def main(argv=None) -> None:
         optimizer.zero_grad()
         if rank == 0:
             print(f"step {step}: loss {loss.item():.6f}")
-    dist.destroy_process_group()
+    del model, optimizer, loss
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if torch.cuda.is_available() else _cpu_cores()
 
 
-ONE_WORKER_MODULES = {"tests/ops/test_vocab_parallel.py"}
+ONE_WORKER_MODULES = {"tests/ops/test_vocab_parallel.py", "tests/bench/test_parallel_bench.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

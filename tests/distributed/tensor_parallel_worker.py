@@ -281,8 +281,7 @@ def main():
         records[case] = train(build(checkpoint, case, dist.get_world_size()))
     if dist.get_rank() == 0:
         torch.save(records, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    train_tp.close_distributed()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ of the input and this rank's slices of the weight's and bias's gradients; and pe
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -239,6 +240,10 @@ def main(rank: int, world_size: int, init_file: str, out_dir: Path) -> None:
         else:
             errors[name] = None
     torch.save({"cases": results, "errors": errors}, out_dir / f"rank{rank}.pt")
+    # The mesh holds the group: a gloo group first freed at interpreter exit aborts the process.
+    del mesh
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

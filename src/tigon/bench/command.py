@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import sys
 import time
 from dataclasses import asdict
@@ -19,6 +20,8 @@ from tigon.bench.machine import default_out, run_device
 from tigon.bench.providers import PROVIDERS, load_providers
 from tigon.bench.specs import MODES, OPS
 
+# `tigon bench NAME ...`: the module whose main() takes the rest of the arguments.
+SUBCOMMANDS = {name: name for name in ("e2e", "moe", "longctx", "axolotl", "parallel")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -26,13 +29,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tigon bench",
         usage="tigon bench [OP ...] [options] | tigon bench e2e [options] | tigon bench moe [options] | "
-        "tigon bench longctx [options] | tigon bench axolotl [options]",
+        "tigon bench longctx [options] | tigon bench axolotl [options] | tigon bench parallel [options]",
         description="Time every op against its peers on this GPU and write CSV, JSON and plots. "
         "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing. "
         "`tigon bench e2e` trains models end to end instead (Llama, Qwen3-MoE, Qwen2.5-VL, DeepSeek-V3, GPT-OSS; "
         "under TRL with --trl, FSDP2 with --gpus); `tigon bench moe` times whole MoE blocks; `tigon bench longctx` "
         "searches the longest sequence each setup trains at batch 1 under a memory cap; `tigon bench axolotl` times "
-        "Axolotl's own training, plain, with its Liger plugin and with tigon's (see their --help).",
+        "Axolotl's own training, plain, with its Liger plugin and with tigon's; `tigon bench parallel` times the "
+        "vocabulary-parallel loss and training under tensor and expert parallelism on several GPUs (see their --help).",
     )
     parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OPS)}")
     parser.add_argument("--mode", choices=MODES, default="full",
@@ -145,22 +149,8 @@ def _meta(args, sweeps, tables, skipped, device, gpu, smoke, ceilings, l2_bytes)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["e2e"]:
-        from tigon.bench import e2e
-
-        return e2e.main(argv[1:])
-    if argv[:1] == ["moe"]:
-        from tigon.bench import moe
-
-        return moe.main(argv[1:])
-    if argv[:1] == ["axolotl"]:
-        from tigon.bench import axolotl
-
-        return axolotl.main(argv[1:])
-    if argv[:1] == ["longctx"]:
-        from tigon.bench import longctx
-
-        return longctx.main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(f"tigon.bench.{SUBCOMMANDS[argv[0]]}").main(argv[1:])
     args = parse_args(argv)
     started = time.perf_counter()
     smoke, device, gpu = run_device(args.smoke)
