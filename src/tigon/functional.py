@@ -35,6 +35,7 @@ from tigon._checks import (
 )
 from tigon._dtensor import GATE, NORM, ROPE, on_local_shards
 from tigon.ops import cross_entropy as _cross_entropy
+from tigon.ops import fp8 as _fp8
 from tigon.ops import fused_linear_cross_entropy as _fused_linear_cross_entropy
 from tigon.ops import fused_linear_logprobs as _fused_linear_logprobs
 from tigon.ops import gated as _gated
@@ -76,6 +77,7 @@ REDUCTIONS = ("mean", "sum", "none")
 Reduction = Literal["mean", "sum", "none"]
 CastingMode = Literal["llama", "gemma"]
 MoEGate = Literal["swiglu", "geglu", "swiglu_clamped"]
+Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 LogprobField = Literal["log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"]
 # (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1): None where not asked for.
 LogprobFields = tuple[
@@ -878,21 +880,21 @@ def fused_linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
     ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
     softcap: float | None = ..., return_z_loss: Literal[False] = ..., chunk_memory_bytes: int | None = ...,
-    process_group: ProcessGroup | None = ...,
+    process_group: ProcessGroup | None = ..., fp8: Fp8Recipe | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def fused_linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
     ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
     softcap: float | None = ..., return_z_loss: Literal[True], chunk_memory_bytes: int | None = ...,
-    process_group: ProcessGroup | None = ...,
+    process_group: ProcessGroup | None = ..., fp8: Fp8Recipe | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def fused_linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = ..., *,
     ignore_index: int = ..., reduction: Reduction = ..., label_smoothing: float = ..., lse_square_scale: float = ...,
     softcap: float | None = ..., return_z_loss: bool, chunk_memory_bytes: int | None = ...,
-    process_group: ProcessGroup | None = ...,
+    process_group: ProcessGroup | None = ..., fp8: Fp8Recipe | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 def fused_linear_cross_entropy(
     input: torch.Tensor,
@@ -908,6 +910,7 @@ def fused_linear_cross_entropy(
     return_z_loss: bool = False,
     chunk_memory_bytes: int | None = None,
     process_group: ProcessGroup | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy of ``input @ weight.T (+ bias)`` without holding the ``[N, V]`` logits.
 
@@ -925,6 +928,12 @@ def fused_linear_cross_entropy(
         process_group: with ``weight`` (and ``bias``) this rank's shard ``[V_r, H]`` of a head sharded
             along the vocabulary over the group's ranks, in rank order (see below); ``None`` for a
             whole head, or a DTensor one.
+        fp8: run the head's three matmuls (logits, input and weight gradients) in FP8 with fp32
+            accumulation, scaled as torchao's float8 recipe of that name does: ``"tensorwise"``,
+            ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (:mod:`tigon.ops.fp8`); the softmax stays
+            fp32. ``V`` and ``H`` must divide by 16. A model patched by tigon whose ``lm_head``
+            torchao converted (``Float8Linear``) follows its recipe by itself. Not with a
+            vocabulary-sharded head.
 
     **Vocabulary-parallel heads.** ``weight`` may be sharded along the vocabulary: a DTensor placed
     ``(Shard(0),)`` on a 1-D device mesh (``bias`` ``None`` or placed alike), or a plain shard with
@@ -944,7 +953,10 @@ def fused_linear_cross_entropy(
     _check_head(input, weight, bias, target)
     _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     _check_chunk_memory(chunk_memory_bytes)
+    _fp8.check_recipe(fp8, weight.shape)
     if sharded is not None:
+        if fp8 is not None:
+            raise ValueError(f"fp8={fp8!r} with a vocabulary-sharded head: not supported; pass fp8=None")
         return _vocab_parallel.fused_linear_cross_entropy(
             input, weight, target, bias, _vocab_parallel.vocab_shard(weight, target.numel(), group, reduce_grad_input),
             ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
@@ -952,7 +964,7 @@ def fused_linear_cross_entropy(
         )
     return _fused_linear_cross_entropy.fused_linear_cross_entropy(
         input, weight, target, bias, ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
-        None if softcap is None else float(softcap), bool(return_z_loss), chunk_memory_bytes,
+        None if softcap is None else float(softcap), bool(return_z_loss), chunk_memory_bytes, fp8,
     )
 
 

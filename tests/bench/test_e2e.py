@@ -111,6 +111,19 @@ def test_jobs_group_by_setup_in_a_smoke_run_hugging_face_first():
     ]
 
 
+@pytest.mark.slow
+def test_fp8_setups_train_as_torchao_does_with_tigon(hugging_face_modules_restored):
+    pytest.importorskip("torchao.float8")
+    args = smoke_args("--fp8", "rowwise")
+    assert [job.setup for group in plan_jobs(args) for job in group] == ["hf", "hf_fp8", "tigon", "tigon_fp8"]
+    hf_fp8, tigon_fp8 = (run_job(args, Job("train", "llama", setup), DEVICE) for setup in ("hf_fp8", "tigon_fp8"))
+    for result in (hf_fp8, tigon_fp8):
+        assert "error" not in result, result["traceback"]
+        assert result["fp8"] == "rowwise" and result["label"].endswith("+ torchao float8")
+    # FP8 in both, the fused loss's chunked head against torchao's: FP8 rounding apart, the same.
+    assert tigon_fp8["losses"] == pytest.approx(hf_fp8["losses"], rel=2e-3)
+
+
 def test_sizes_default_per_loop_and_model():
     _, args = parse_args(["--trl", "sft", "--steps", "3"])
     sizes = job_args(args, Job("sft", "llama", "hf"))
@@ -135,6 +148,9 @@ def test_sizes_default_per_loop_and_model():
         (["--smoke", "--cuda-graph"], "--cuda-graph measure(s) a GPU: not with --smoke"),
         (["--lora", "--model", "deepseek_v3"], "--lora and --qlora train the Llama models only"),
         (["--steps", "0"], "--steps takes at least 1"),
+        (["--setups", "hf", "tigon_fp8"], "the tigon_fp8 setup(s) train in FP8: they need --fp8 RECIPE"),
+        (["--fp8", "rowwise", "--lora"], "--fp8 and --lora do not combine (yet)"),
+        (["--fp8", "rowwise", "--gpus", "2"], "--fp8 and --gpus above 1 do not combine (yet)"),
     ],
 )
 def test_combinations_are_refused_by_name(argv, message, capsys):

@@ -45,6 +45,12 @@ fused losses read inside the root's forward, unsharded), then on one GPU without
 run gives each setup's speed-up and memory saving on one GPU and on several. Each GPU trains on
 its own batch; reported per GPU: tokens/s (the mean over GPUs) and peak memory (the largest).
 
+``--fp8 RECIPE`` adds FP8: the setups ``hf``, ``hf_fp8`` (Hugging Face's model converted by
+torchao's ``convert_to_float8_training`` with the recipe: ``tensorwise``, ``rowwise`` or
+``rowwise_with_gw_hp``), ``tigon`` and ``tigon_fp8`` (tigon's model converted the same way, its
+fused loss in FP8 by the head's recipe: docs/integrations/fp8.md), each converted after it is
+built, every linear whose dimensions divide by 16 (lm_head included).
+
 ``--trl sft grpo`` trains under TRL instead (:mod:`tigon.bench.e2e_trl`): ``SFTTrainer`` with TRL's
 fused LM head, and GRPO's policy log-probs, forward + backward; its setups patch the built model
 as a TRL user would (``hf``: TRL alone; ``tigon_head``: ``patch_trl()``; ``tigon``: ``apply_tigon``
@@ -56,14 +62,14 @@ interpreter where there is no GPU; one process per setup runs every model and lo
 dominate), FSDP2 runs on gloo. No memory is measured on the CPU and the timings mean nothing; the
 losses of tigon and Hugging Face agree to ~1e-6.
 
-Writes ``e2e_<model>[_trl_<loop>][_lora|_qlora][_aux_loss][_budget_<b>][_b<B>x<T>][_graph][_fsdp2].json``
+Writes ``e2e_<model>[_trl_<loop>][_lora|_qlora][_aux_loss][_budget_<b>][_b<B>x<T>][_graph][_fp8_<recipe>][_fsdp2].json``
 and ``.png`` per model and loop into ``--out`` (default: ``tigon-out/bench-<gpu>`` of the working
 directory, ``tigon-out/bench-smoke`` for smoke runs), rewritten after every process, so a run cut
 short keeps what it measured. Results committed to the repository go to
 ``--out benchmarks/results/<gpu>``.
 
     tigon bench e2e [--model llama llama_1b qwen3_moe qwen2_5_vl deepseek_v3 gpt_oss] [--setups hf liger tigon]
-        [--trl sft grpo] [--gpus N ...] [--lora | --qlora] [--budget hf | GiB] [--cuda-graph] [--layers L]
+        [--trl sft grpo] [--gpus N ...] [--lora | --qlora] [--budget hf | GiB] [--cuda-graph] [--fp8 RECIPE] [--layers L]
         [--batch 4] [--seq-len 4096] [--warmup W] [--steps S] [--smoke] [--out DIR] ...
     (python -m tigon.bench.e2e takes the same arguments)
 
@@ -93,9 +99,14 @@ from tigon.bench.e2e_models import (
 )
 from tigon.bench.machine import default_out, environment, peak_gib, reset_peak, synchronize
 from tigon.bench.processes import failure_record, launch, print_result
+from tigon.ops.fp8 import RECIPES as FP8_RECIPES
 
-SETUPS = ("hf", "liger", "tigon", "tigon_head")
-LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon"}
+SETUPS = ("hf", "liger", "tigon", "tigon_head", "hf_fp8", "tigon_fp8")
+LABELS = {"hf": "Hugging Face", "liger": "Hugging Face + Liger-Kernel", "tigon": "Hugging Face + tigon",
+          "hf_fp8": "Hugging Face + torchao float8", "tigon_fp8": "Hugging Face + tigon + torchao float8"}
+# With --fp8: the setups converted by torchao after they are built (the name without the suffix).
+FP8_SUFFIX = "_fp8"
+FP8_SETUPS = ("hf", "hf_fp8", "tigon", "tigon_fp8")
 # The setups a loop runs unless --setups names others.
 DEFAULT_SETUPS = {
     "train": ("hf", "liger", "tigon"), "sft": ("hf", "liger", "tigon"), "grpo": ("hf", "tigon_head", "tigon"),
@@ -108,6 +119,7 @@ STEPS = {"train": dict(warmup=2, steps=6), "sft": dict(warmup=3, steps=10), "grp
 SMOKE = dict(layers=2, batch=2, seq_len=64, warmup=1, steps=2, prompt_len=16, image_side=168, max_search=0)
 TIMEOUT_S = 900
 COLORS = {"hf": "tab:gray", "liger": "tab:blue", "tigon": "tab:orange", "tigon_head": "lightsalmon",
+          "hf_fp8": "tab:purple", "tigon_fp8": "tab:red",
           FULL_TIGON: "tab:olive"}
 
 
@@ -301,10 +313,17 @@ def run_train(args, job: Job, device: str) -> dict:
     rank = dist.get_rank() if sharded else 0
     lora = (args.lora or args.qlora) and job.setup != FULL_TIGON
     shape = {"output_router_logits": True} if args.router_aux_loss else {}
-    model = build_model("tigon" if job.setup == FULL_TIGON else job.setup, args.layers, device, model=job.model,
+    built_as = "tigon" if job.setup == FULL_TIGON else job.setup.removesuffix(FP8_SUFFIX)
+    model = build_model(built_as, args.layers, device, model=job.model,
                         dtype=torch.float32 if args.smoke else torch.bfloat16, tiny=args.smoke,
                         attention=args.attn, **shape)
     result = {"experts": experts_in(model), "parameters": sum(p.numel() for p in model.parameters())}
+    if job.setup.endswith(FP8_SUFFIX):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        # Every linear whose dimensions divide by 16, lm_head included (torchao's default filter).
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(args.fp8))
+        result["fp8"] = args.fp8
     if lora and args.qlora:
         model = quantize_4bit(model)
     if lora:
@@ -452,7 +471,7 @@ def plan_jobs(args) -> list[list[Job]]:
     for gpus in args.gpus:
         for model in args.model:
             for loop in loops:
-                setups = list(args.setups or DEFAULT_SETUPS[loop])
+                setups = list(args.setups or (FP8_SETUPS if args.fp8 else DEFAULT_SETUPS[loop]))
                 setups.sort(key=lambda setup: setup != "hf")
                 if loop == "train" and (args.lora or args.qlora):
                     setups.append(FULL_TIGON)
@@ -609,6 +628,8 @@ def file_stem(args, model: str, loop: str) -> str:
         name += f"_b{batch}x{seq_len}"
     if args.cuda_graph:
         name += "_graph"
+    if args.fp8:
+        name += f"_fp8_{args.fp8}"
     if any(gpus > 1 for gpus in args.gpus):
         name += "_fsdp2"
     return name
@@ -657,6 +678,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Names
                       help="with --model qwen3_moe: add the router's auxiliary loss (off in the released config)")
     what.add_argument("--budget", help="'hf' (Hugging Face's peak) or GiB: each setup at its best per-layer "
                       "checkpointing within this peak")
+    what.add_argument("--fp8", choices=FP8_RECIPES, metavar="RECIPE",
+                      help=f"torchao's float8 training recipe ({', '.join(FP8_RECIPES)}) for the hf_fp8 and "
+                      "tigon_fp8 setups, converted after they are built; the default setups become hf hf_fp8 tigon "
+                      "tigon_fp8")
     what.add_argument("--cuda-graph", action="store_true",
                       help="capture each setup's whole training step as one CUDA graph and replay it")
     what.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
@@ -730,6 +755,15 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
                 parser.error(f"--trl and {option} do not combine: TRL's trainer runs its own loop")
     elif args.setups and "tigon_head" in args.setups:
         parser.error("the tigon_head setup patches TRL's head: it needs --trl")
+    fp8_setups = [setup for setup in args.setups or () if setup.endswith(FP8_SUFFIX)]
+    if fp8_setups and not args.fp8:
+        parser.error(f"the {', '.join(fp8_setups)} setup(s) train in FP8: they need --fp8 RECIPE")
+    if args.fp8:
+        for option, given in (("--trl", bool(args.trl)), ("--lora", args.lora), ("--qlora", args.qlora),
+                              ("--budget", args.budget is not None), ("--cuda-graph", args.cuda_graph),
+                              ("--gpus above 1", max(args.gpus) > 1)):
+            if given:
+                parser.error(f"--fp8 and {option} do not combine (yet)")
     if min(args.gpus) < 1:
         parser.error(f"--gpus takes counts of at least 1, got {args.gpus}")
     if max(args.gpus) > 1:

@@ -134,11 +134,44 @@ def mean_scales(n_valid: torch.Tensor, n_rows: int) -> tuple[torch.Tensor | None
     return mean_grad_scale(n_valid, split), 1.0 / split
 
 
+class HeadMatmuls:
+    """The chunk loop's three matmuls over ``weight [V, H]`` in its dtype (cuBLAS, fp32
+    accumulation); :class:`tigon.ops.fp8.Fp8HeadMatmuls` is the FP8 one."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def logits(self, x_chunk: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        linear_logits(x_chunk, self.weight, bias, out)
+
+    def grad_input(self, dlogits: torch.Tensor, out: torch.Tensor | None, alpha: float) -> torch.Tensor:
+        """``alpha · dlogits @ W`` into ``out`` (a new tensor when ``None``)."""
+        if out is None:
+            out = torch.mm(dlogits, self.weight)
+            return out.mul_(alpha) if alpha != 1.0 else out
+        # beta = 0 ignores what the output held (torch.empty); alpha is applied in fp32.
+        return out.addmm_(dlogits, self.weight, beta=0, alpha=alpha)
+
+    def accumulate_grad_weight(self, grad_weight: torch.Tensor, dlogits: torch.Tensor, x_chunk: torch.Tensor,
+                               first: bool, alpha: float) -> None:
+        grad_weight.addmm_(dlogits.t(), x_chunk, beta=0 if first else 1, alpha=alpha)
+
+
+def head_matmuls(weight: torch.Tensor, fp8: str | None, grad_input_needed: bool = True):
+    """The chunk loop's matmuls over ``weight``: in FP8 by the recipe ``fp8`` (see
+    :mod:`tigon.ops.fp8`), else in the weight's dtype."""
+    if fp8 is None:
+        return HeadMatmuls(weight)
+    from tigon.ops.fp8 import Fp8HeadMatmuls
+
+    return Fp8HeadMatmuls(weight, fp8, grad_input_needed)
+
+
 def fused_linear_chunks(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: Sequence[RowRanges],
     head: ChunkHead, grad_input: torch.Tensor | None = None, grad_weight: torch.Tensor | None = None,
     grad_bias: torch.Tensor | None = None, matmul_scale: float = 1.0, logits_buffer: torch.Tensor | None = None,
-    first_chunk_computed: bool = False,
+    first_chunk_computed: bool = False, matmuls: HeadMatmuls | None = None,
 ) -> None:
     """Run ``head`` over the logits of every chunk and accumulate the gradients that are given.
 
@@ -153,8 +186,10 @@ def fused_linear_chunks(
             ``None``). After the loop it holds the last chunk's logits, or what the head wrote.
         first_chunk_computed: the buffer already holds the first chunk's logits, kept from an
             earlier loop over the same rows: that chunk's matmul is skipped.
+        matmuls: the three matmuls (:func:`head_matmuls`; by default in the weight's dtype).
     """
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
+    matmuls = HeadMatmuls(weight) if matmuls is None else matmuls
     if logits_buffer is None:
         largest = max((sum(end - start for start, end in ranges) for ranges in chunks), default=0)
         logits_buffer = x2d.new_empty((largest, weight.shape[0]))
@@ -162,18 +197,17 @@ def fused_linear_chunks(
         x_chunk = gather_rows(x2d, ranges)
         logits = logits_buffer[: x_chunk.shape[0]]
         if not (index == 0 and first_chunk_computed):
-            linear_logits(x_chunk, weight, bias, logits)
+            matmuls.logits(x_chunk, bias, logits)
         row_scale = head(ranges, logits)
         if not compute_grad:
             continue
         # From here on the buffer holds dlogits.
-        # beta = 0 ignores what an output held (torch.empty); alpha is applied in fp32.
         if grad_input is not None:
             if len(ranges) == 1 and row_scale is None:
                 start, end = ranges[0]
-                grad_input[start:end].addmm_(logits, weight, beta=0, alpha=matmul_scale)
+                matmuls.grad_input(logits, grad_input[start:end], matmul_scale)
             else:
-                grad_chunk = torch.mm(logits, weight)
+                grad_chunk = matmuls.grad_input(logits, None, 1.0)
                 if row_scale is not None:
                     grad_chunk.mul_(row_scale.unsqueeze(1) * matmul_scale)
                 elif matmul_scale != 1.0:
@@ -181,7 +215,7 @@ def fused_linear_chunks(
                 scatter_rows(grad_chunk, grad_input, ranges)
         if grad_weight is not None:
             scaled_x = x_chunk if row_scale is None else x_chunk * row_scale.unsqueeze(1).to(x_chunk.dtype)
-            grad_weight.addmm_(logits.t(), scaled_x, beta=0 if index == 0 else 1, alpha=matmul_scale)
+            matmuls.accumulate_grad_weight(grad_weight, logits, scaled_x, index == 0, matmul_scale)
         if grad_bias is not None:
             if row_scale is None:
                 grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=matmul_scale)

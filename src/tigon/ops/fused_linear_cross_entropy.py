@@ -39,17 +39,25 @@ from tigon.ops.cross_entropy import (
     shaped_losses,
     target_bounds,
 )
-from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, mean_scales, new_grads, row_chunks
+from tigon.ops.fused_linear import (
+    chunk_rows_for,
+    fused_linear_chunks,
+    head_matmuls,
+    mean_scales,
+    new_grads,
+    row_chunks,
+)
 
 
 def _chunked_cross_entropy(
     x2d, weight, target, bias, grad_scale, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
-    ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale=1.0,
+    ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale=1.0, fp8=None,
 ):
     """Writes ``loss [N]`` (and ``z_loss``) and, when any of them is given, the gradients
     ``grad_input [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (fp32), each gradient row of
     the logits multiplied by ``grad_scale`` (fp32 ``[N]`` per row, ``[1]`` for every row, or
-    ``None``) and every gradient by the host number ``matmul_scale``."""
+    ``None``) and every gradient by the host number ``matmul_scale``; the matmuls in FP8 by the
+    recipe ``fp8`` (:mod:`tigon.ops.fp8`) unless it is ``None``."""
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
 
     def cross_entropy_head(ranges, logits):
@@ -64,6 +72,7 @@ def _chunked_cross_entropy(
     fused_linear_chunks(
         x2d, weight, bias, row_chunks(x2d.shape[0], chunk_rows), cross_entropy_head,
         grad_input, grad_weight, grad_bias, matmul_scale,
+        matmuls=head_matmuls(weight, fp8, grad_input_needed=grad_input is not None),
     )
 
 
@@ -87,7 +96,7 @@ def _grads_fake(input, weight, bias, grad_input_needed, grad_weight_needed, grad
 
 
 def _fwd_fake(input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-              return_z_loss, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed):
+              return_z_loss, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed, fp8=None):
     shape = (target.numel(),) if reduction == "none" else ()
     loss = input.new_empty(shape, dtype=torch.float32)
     z_loss = input.new_empty(shape if return_z_loss else (0,), dtype=torch.float32)
@@ -103,6 +112,7 @@ def fused_linear_cross_entropy_fwd(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     ignore_index: int, reduction: str, label_smoothing: float, lse_square_scale: float, softcap: float | None,
     return_z_loss: bool, chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+    fp8: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """→ ``loss`` (fp32 scalar, ``[N]`` for ``"none"``), ``z_loss`` (empty unless
     ``return_z_loss``) and, for ``"mean"``/``"sum"``, the needed gradients ``grad_input [N, H]``,
@@ -123,14 +133,14 @@ def fused_linear_cross_entropy_fwd(
     z_loss = torch.empty_like(loss) if return_z_loss else None
     _chunked_cross_entropy(
         x2d, weight, target, bias, grad_scale, loss, z_loss, grad_input, grad_weight, grad_bias, chunk_rows,
-        ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale,
+        ignore_index, label_smoothing, lse_square_scale, softcap, matmul_scale, fp8,
     )
     z_loss = reduce_rows(z_loss, reduction, n_valid) if return_z_loss else loss.new_empty(0)
     return reduce_rows(loss, reduction, n_valid), z_loss, *_grads_out(x2d, bias, grad_input, grad_weight, grad_bias)
 
 
 def _bwd_fake(grad_loss, input, weight, target, bias, ignore_index, label_smoothing, lse_square_scale, softcap,
-              chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed):
+              chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed, fp8=None):
     return _grads_fake(input, weight, bias, grad_input_needed, grad_weight_needed, grad_bias_needed)
 
 
@@ -139,7 +149,7 @@ def fused_linear_cross_entropy_bwd(
     grad_loss: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
     bias: torch.Tensor | None, ignore_index: int, label_smoothing: float, lse_square_scale: float,
     softcap: float | None, chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool,
-    grad_bias_needed: bool,
+    grad_bias_needed: bool, fp8: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``reduction="none"``: recomputes each chunk's logits and folds the per-token
     ``grad_loss [...]`` (fp32) into ``dlogits``. Returns the gradients as the forward op does."""
@@ -150,7 +160,7 @@ def fused_linear_cross_entropy_bwd(
     scratch_loss = x2d.new_empty(x2d.shape[0], dtype=torch.float32)
     _chunked_cross_entropy(
         x2d, weight, target, bias, grad_loss.reshape(-1), scratch_loss, None, grad_input, grad_weight, grad_bias,
-        chunk_rows, ignore_index, label_smoothing, lse_square_scale, softcap,
+        chunk_rows, ignore_index, label_smoothing, lse_square_scale, softcap, fp8=fp8,
     )
     return _grads_out(x2d, bias, grad_input, grad_weight, grad_bias)
 
@@ -162,18 +172,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale,
-                softcap, return_z_loss, chunk_memory_bytes, needs):
+                softcap, return_z_loss, chunk_memory_bytes, needs, fp8):
         chunk_rows = chunk_rows_for(target.numel(), weight.shape[0], input.element_size(), chunk_memory_bytes)
         options = (ignore_index, reduction, label_smoothing, lse_square_scale, softcap, return_z_loss, chunk_rows)
         loss, z_loss, grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_fwd(
-            input, weight, target, bias, *options, *needs,
+            input, weight, target, bias, *options, *needs, fp8,
         )
         if reduction == "none":
             ctx.save_for_backward(input, weight, target, bias)
         else:
             ctx.save_for_backward(grad_input, grad_weight, grad_bias)
         ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, chunk_rows)
-        ctx.reduction, ctx.needs = reduction, needs
+        ctx.reduction, ctx.needs, ctx.fp8 = reduction, needs, fp8
         ctx.input_shape = input.shape
         ctx.mark_non_differentiable(z_loss)
         return loss, z_loss
@@ -183,7 +193,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if ctx.reduction == "none":
             input, weight, target, bias = ctx.saved_tensors
             grad_input, grad_weight, grad_bias = fused_linear_cross_entropy_bwd(
-                grad_loss, input, weight, target, bias, *ctx.options, *ctx.needs,
+                grad_loss, input, weight, target, bias, *ctx.options, *ctx.needs, ctx.fp8,
             )
         else:
             grad_input, grad_weight, grad_bias = ctx.saved_tensors
@@ -197,12 +207,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_weight if grad_weight_needed else None,
             None,
             grad_bias if grad_bias_needed else None,
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None,
         )
 
 
 def fused_linear_cross_entropy(input, weight, target, bias, ignore_index, reduction, label_smoothing,
-                               lse_square_scale, softcap, return_z_loss, chunk_memory_bytes):
+                               lse_square_scale, softcap, return_z_loss, chunk_memory_bytes, fp8=None):
     """``input [..., H]``, ``weight [V, H]``, ``target [...]``, ``bias [V]`` → the fp32 loss (and
     z-loss); inputs validated by :mod:`tigon.functional`, the targets' range here, once the
     kernels are queued."""
@@ -215,7 +225,7 @@ def fused_linear_cross_entropy(input, weight, target, bias, ignore_index, reduct
     bounds = target_bounds(target, ignore_index)
     loss, z_loss = FusedLinearCrossEntropyFunction.apply(
         input, weight, target, bias, ignore_index, reduction, label_smoothing, lse_square_scale, softcap,
-        return_z_loss, chunk_memory_bytes, needs,
+        return_z_loss, chunk_memory_bytes, needs, fp8,
     )
     check_target_bounds(bounds, weight.shape[0], ignore_index)
     return shaped_losses(loss, z_loss, target, reduction, return_z_loss)

@@ -313,6 +313,63 @@ def fused_linear_cross_entropy(input, weight, target, bias=None, **options):
     return cross_entropy(logits, target, **options)
 
 
+# torchao's float8 recipes as (x and W axiswise for the logits, output gradient dtype, W axiswise
+# for the input gradient, weight gradient in FP8, power-of-two scales).
+FP8_RECIPES = {
+    "tensorwise": (False, torch.float8_e5m2, False, True, False),
+    "rowwise": (True, torch.float8_e4m3fn, True, True, True),
+    "rowwise_with_gw_hp": (True, torch.float8_e4m3fn, False, False, True),
+}
+
+
+def fake_quantize(t, dtype, dim=None, power_of_2=False):
+    """``t`` rounded to FP8 ``dtype`` and back, in fp32: scaled by ``max(dtype) / amax`` over the
+    whole tensor (``dim`` ``None``) or over ``dim`` (one scale per slice along the other)."""
+    t = t.float()
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t * scale).to(dtype).float() / scale
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``x @ Wᵀ`` with each of its three matmuls on fake-quantized operands, as ``recipe`` scales
+    them (see :data:`FP8_RECIPES`), in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        axiswise, _, _, _, pow2 = FP8_RECIPES[recipe]
+        dim = 1 if axiswise else None
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        e4m3 = torch.float8_e4m3fn
+        return fake_quantize(x, e4m3, dim, pow2) @ fake_quantize(weight, e4m3, dim, pow2).T
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        axiswise, grad_dtype, weight_axiswise, grad_weight_fp8, pow2 = FP8_RECIPES[ctx.recipe]
+        e4m3 = torch.float8_e4m3fn
+        grad_input = fake_quantize(grad, grad_dtype, 1 if axiswise else None, pow2) @ fake_quantize(
+            weight, e4m3, 0 if weight_axiswise else None, pow2)
+        if grad_weight_fp8:
+            dim = 0 if axiswise else None
+            grad_weight = fake_quantize(grad, grad_dtype, dim, pow2).T @ fake_quantize(x, e4m3, dim, pow2)
+        else:
+            grad_weight = grad.T @ x.float()
+        return grad_input, grad_weight, None
+
+
+def fused_linear_cross_entropy_fp8(input, weight, target, bias=None, recipe="tensorwise", **options):
+    """:func:`fused_linear_cross_entropy` with the head's matmuls in FP8 as torchao's float8
+    ``recipe`` computes them (fake-quantized operands, fp32 products), over the whole input at once."""
+    logits = _Fp8Linear.apply(input.reshape(-1, input.shape[-1]), weight, recipe)
+    if bias is not None:
+        logits = logits + bias.float()
+    return cross_entropy(logits, target.reshape(-1), **options)
+
+
 def fused_linear_logprobs(input, weight, target, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
                           outputs=("log_probs",), ignore_index=-100, **_):
     """TRL's fused-head fields written out on the full logits (``**_`` takes tigon's performance

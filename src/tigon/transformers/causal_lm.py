@@ -33,6 +33,10 @@ those hidden states and ``lm_head``'s weight by tigon's fused linear cross entro
   becomes the kernel's ``softcap``; Granite's ``logits_scaling`` divides, and Falcon-H1's and
   MuseGlimmer's multipliers multiply, the hidden states instead of the logits;
 - under autocast, the fused loss runs in the autocast dtype, as ``lm_head`` would have;
+- a head converted to FP8 by torchao (``convert_to_float8_training``, its ``Float8Linear``): the
+  fused loss runs the head's matmuls in FP8 by the same recipe (``fp8=`` of
+  :func:`tigon.functional.fused_linear_cross_entropy`); a config that is none of torchao's three
+  recipes is refused by name;
 - MoE models: ``router_aux_loss_coef · aux_loss`` is added, as their forward does with labels.
 
 Everything else (the decoder, router logits, caches, hidden states, attentions) comes from the
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 
 import torch
@@ -234,8 +239,9 @@ def _loss_when_asked(head, args):
         )
     )
     # A DTensor head (tensor parallel) is given one position: DTensor's sharding propagation of the
-    # linear divides by an empty dimension. Its [B, 1, V] logits are dropped like the empty ones.
-    positions = 1 if isinstance(head.weight, DTensor) else 0
+    # linear divides by an empty dimension, as torchao's FP8 scaling does (the amax of nothing).
+    # Their [B, 1, V] logits are dropped like the empty ones.
+    positions = 1 if isinstance(head.weight, DTensor) or head_fp8_recipe(head) is not None else 0
     return (hidden_states.narrow(-2, 0, positions), *args[1:])
 
 
@@ -256,5 +262,26 @@ def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_ind
     softcap = getattr(config, family.logit_softcap) if family.logit_softcap is not None else None
     return F.fused_linear_cross_entropy(
         hidden_states, weight, targets.to(hidden_states.device), bias,
-        ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+        ignore_index=ignore_index, reduction=reduction, softcap=softcap, fp8=head_fp8_recipe(head),
+    )
+
+
+def head_fp8_recipe(head: torch.nn.Module) -> str | None:
+    """The torchao float8 recipe of a head that ``convert_to_float8_training`` converted (its
+    ``Float8Linear``), ``None`` for any other head. Raises ``ValueError`` for a config other than
+    torchao's ``tensorwise``, ``rowwise`` and ``rowwise_with_gw_hp`` recipes."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if float8_linear is None or not isinstance(head, float8_linear.Float8Linear):
+        return None
+    from torchao.float8 import Float8LinearConfig
+
+    from tigon.ops.fp8 import RECIPES
+
+    for recipe in RECIPES:
+        if head.config == Float8LinearConfig.from_recipe_name(recipe):
+            return recipe
+    raise ValueError(
+        f"lm_head is a torchao Float8Linear of config {head.config}, which is none of the recipes tigon's fused loss "
+        f"computes in FP8 ({', '.join(RECIPES)}): convert with one of them, leave lm_head out of the conversion "
+        "(module_filter_fn), or patch with fused_linear_cross_entropy=False"
     )

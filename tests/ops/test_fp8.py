@@ -1,0 +1,119 @@
+"""The fused cross entropy's head matmuls in FP8 (``fp8=``, tigon.ops.fp8), against the FP8 reference
+(torchao's recipes on fake-quantized operands, tigon.testing.reference) and the fp64 truth.
+
+FP8 has an error of its own (a few percent on the gradients): the losses must match the FP8
+reference where the quantization is the same (rowwise scales do not depend on the chunking; a
+tensorwise input's does, so it is checked on one chunk), and every gradient must be no further
+from the fp64 truth than the reference's FP8 is, plus bf16's own error. The matmuls must really
+be FP8 ones: ``torch._scaled_mm`` is counted.
+"""
+
+import pytest
+import torch
+
+import tigon.functional as tf
+from tigon.ops import fp8
+from tigon.testing import reference
+from utils import DEVICE, pick, randn
+
+# (token shape, H, V, rows per chunk), V and H multiples of 16 (FP8 matmuls' alignment), the token
+# count not: the last chunk is partial, and the weight gradient's rows are padded.
+CASES = pick(cpu=[((2, 100), 64, 272, 48)], gpu=[((4, 1000), 1024, 32000, 1024)])
+RECIPES = list(fp8.RECIPES)
+LOSS_TOLERANCE = 1e-4
+# FP8's own error is the reference's; bf16 storage of the logits and their gradient adds its own.
+FP8_ERROR_FACTOR, BF16_ERROR = 1.3, 5e-3
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def scaled_mm_calls(monkeypatch):
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+def _relative(value, truth):
+    return ((value.double() - truth.double()).norm() / truth.double().norm()).item()
+
+
+def _problem(case, bias=False):
+    token_shape, hidden, vocab, chunk_rows = case
+    x = randn(*token_shape, hidden, dtype=torch.bfloat16, requires_grad=True)
+    weight = randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True, scale=hidden**-0.5)
+    b = randn(vocab, dtype=torch.bfloat16, requires_grad=True) if bias else None
+    target = torch.randint(0, vocab, token_shape, device=DEVICE)
+    target.view(-1)[::7] = -100
+    return x, weight, target, b, chunk_rows * vocab * 2
+
+
+def _grads(loss, leaves):
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_fp8_head_within_fp8_error(recipe, reduction, bias, scaled_mm_calls):
+    x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], bias)
+    leaves = (x, weight) if b is None else (x, weight, b)
+    n_valid = (target != -100).sum()
+
+    def mean_of(loss):
+        return loss if reduction == "mean" else loss.sum() / n_valid
+
+    ours = mean_of(tf.fused_linear_cross_entropy(x, weight, target, b, reduction=reduction,
+                                                 chunk_memory_bytes=chunk_memory_bytes, fp8=recipe))
+    our_grads = _grads(ours, leaves)
+    n_chunks = -(-target.numel() // CASES[0][3])
+    matmuls = 3 if fp8.RECIPES[recipe].grad_weight_fp8 else 2
+    # "none" recomputes the logits in backward: its forward's matmuls once more.
+    assert len(scaled_mm_calls) == n_chunks * (matmuls + (reduction == "none")), scaled_mm_calls
+
+    fp8_reference = reference.fused_linear_cross_entropy_fp8(x, weight, target, b, recipe=recipe)
+    reference_grads = _grads(fp8_reference, leaves)
+    truth = reference.fused_linear_cross_entropy(
+        x.double(), weight.double(), target, None if b is None else b.double())
+    truth_grads = _grads(truth, leaves)
+    if fp8.RECIPES[recipe].axiswise:
+        assert abs(ours.item() - fp8_reference.item()) <= LOSS_TOLERANCE * abs(fp8_reference.item())
+    for name, mine, theirs, exact in zip(("input", "weight", "bias"), our_grads, reference_grads, truth_grads):
+        bound = FP8_ERROR_FACTOR * _relative(theirs, exact) + BF16_ERROR
+        assert _relative(mine, exact) <= bound, f"{name}: {_relative(mine, exact)} > {bound}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_chunk_loss_equals_the_fp8_reference(recipe):
+    x, weight, target, _, _ = _problem(CASES[0])
+    ours = tf.fused_linear_cross_entropy(x, weight, target, fp8=recipe, chunk_memory_bytes=2**30)
+    theirs = reference.fused_linear_cross_entropy_fp8(x, weight, target, recipe=recipe)
+    assert abs(ours.item() - theirs.item()) <= LOSS_TOLERANCE * abs(theirs.item())
+
+
+def test_quantize_scales_and_pads():
+    t = torch.tensor([[1.0, -2.0], [0.5, 0.25], [0.0, 0.0]], device=DEVICE)
+    q, inverse = fp8.quantize(t, fp8.E4M3, 1, power_of_2=False, rows=16)
+    assert q.shape == (16, 2) and inverse.shape == (16, 1)
+    torch.testing.assert_close((q[:3].float() * inverse[:3]), t)  # these values are exact in e4m3
+    assert not q[3:].float().any() and (inverse[3:] == 1).all()
+    assert inverse[0].item() == pytest.approx(2.0 / 448) and inverse[2].item() == pytest.approx(fp8.AMAX_EPS / 448)
+    _, inverse = fp8.quantize(t, fp8.E4M3, None, power_of_2=True)
+    assert inverse.item() == 2.0 ** -7  # 448 / 2 = 224, rounded down to 128
+
+
+def test_bad_fp8_arguments_are_refused():
+    x, weight, target, _, _ = _problem(CASES[0])
+    with pytest.raises(ValueError, match="fp8 must be None or one of 'tensorwise', 'rowwise'"):
+        tf.fused_linear_cross_entropy(x, weight, target, fp8="float8")
+    with pytest.raises(ValueError, match=r"the head's weight is \(270, 64\); FP8 matmuls need both dimensions divisible by 16"):
+        tf.fused_linear_cross_entropy(x, weight[:270], target.clamp(max=269), fp8="rowwise")

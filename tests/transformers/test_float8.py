@@ -1,0 +1,104 @@
+"""tigon on a model trained in FP8 by torchao (``convert_to_float8_training``): either order
+(tigon patched before the conversion, or after), each of torchao's recipes, under gradient
+checkpointing, and with PEFT LoRA over the converted layers.
+
+What must hold: every FP8 matmul of torchao's own run still runs (``torch._scaled_mm`` is counted
+per training step: the decoder's linears are torchao's, and the converted ``lm_head``'s three matmuls
+are the fused loss's, in FP8 by the head's recipe, plus the head's one-position forward that stands
+in for its logits); and the losses of a few AdamW steps equal torchao's alone within the noise of
+FP8 rounding (the fused loss's chunked scaling and bf16 logits against torchao's whole-tensor
+scaling and fp32 upcast).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8")
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
+
+from tigon.ops import fp8  # noqa: E402
+from tigon.transformers import apply_tigon  # noqa: E402
+from tiny_models import tiny_batch, tiny_model  # noqa: E402
+
+STEPS = 3
+# FP8 rounding moves the losses by ~1e-4 relative here; 2e-3 stays far below a lost FP8 matmul
+# (a bf16 head moves them by about as much) and far above bf16's own noise.
+LOSS_TOLERANCE = 2e-3
+
+
+@pytest.fixture
+def scaled_mm_calls(monkeypatch):
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+def float8_model(order: str, recipe: str, lora: bool = False):
+    """The tiny Llama in bf16 under non-reentrant checkpointing, converted by torchao's ``recipe``,
+    patched by tigon before (``"tigon_first"``) or after (``"float8_first"``) or not (``"torchao"``)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if order == "tigon_first":
+        apply_tigon(model)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+    if order == "float8_first":
+        apply_tigon(model)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    return model.train()
+
+
+def train(model, calls) -> tuple[list[float], list[int]]:
+    """``STEPS`` AdamW steps on the tiny batch: each step's loss and its ``_scaled_mm`` calls."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    input_ids, labels = tiny_batch()
+    losses, per_step = [], []
+    for _ in range(STEPS):
+        before = len(calls)
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        per_step.append(len(calls) - before)
+    return losses, per_step
+
+
+@pytest.mark.parametrize("recipe", list(fp8.RECIPES))
+@pytest.mark.parametrize("order", ["tigon_first", "float8_first"])
+def test_every_fp8_matmul_is_kept_and_the_losses_match_torchao(recipe, order, scaled_mm_calls):
+    torchao_losses, torchao_calls = train(float8_model("torchao", recipe), scaled_mm_calls)
+    model = float8_model(order, recipe)
+    losses, calls = train(model, scaled_mm_calls)
+    assert model.lm_head.__class__.__name__ == "Float8Linear"
+    # The head's matmuls are the fused loss's (one chunk here), plus its one-position forward.
+    assert calls == [count + 1 for count in torchao_calls], (calls, torchao_calls)
+    for ours, theirs in zip(losses, torchao_losses):
+        assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs), (losses, torchao_losses)
+
+
+def test_lora_over_float8_layers_keeps_their_fp8_matmuls(scaled_mm_calls):
+    torchao_losses, torchao_calls = train(float8_model("torchao", "rowwise", lora=True), scaled_mm_calls)
+    losses, calls = train(float8_model("float8_first", "rowwise", lora=True), scaled_mm_calls)
+    # The frozen head: the fused loss skips its weight gradient's matmul, which torchao computes
+    # anyway; with the one-position forward the counts are equal.
+    assert calls == torchao_calls, (calls, torchao_calls)
+    for ours, theirs in zip(losses, torchao_losses):
+        assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs)
+
+
+def test_a_head_of_another_float8_config_is_refused():
+    model = tiny_model("llama").to(torch.bfloat16)
+    apply_tigon(model)
+    config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
+    convert_to_float8_training(model, config=config)
+    input_ids, labels = tiny_batch()
+    with pytest.raises(ValueError, match="none of the recipes tigon's fused loss computes in FP8"):
+        model(input_ids=input_ids, labels=labels)
