@@ -1,6 +1,6 @@
 """The benchmark harness behind ``tigon bench`` (also ``python -m tigon.bench``).
 
-- :mod:`tigon.bench.command`: ``tigon bench``, the per-op sweeps; dispatches ``e2e``, ``moe``, ``longctx``, ``axolotl`` and ``parallel``.
+- :mod:`tigon.bench.command`: ``tigon bench``, the per-op sweeps; dispatches ``e2e``, ``moe``, ``longctx``, ``axolotl``, ``parallel`` and ``convergence``.
 - :mod:`tigon.bench.specs`: per op, the swept sizes, the inputs of one call and its roofline work.
 - :mod:`tigon.bench.providers`: tigon, torch, torch.compile and the peers, as ``{op: fn}`` tables.
 - :mod:`tigon.bench.runner`: median CUDA-event timings, peak memory, the copy and matmul ceilings.
@@ -13,6 +13,8 @@
   batch 1 under a memory cap, and its tokens/s at each length.
 - :mod:`tigon.bench.parallel`: ``tigon bench parallel``, the vocabulary-parallel loss and training
   under tensor and expert parallelism, on several GPUs.
+- :mod:`tigon.bench.convergence`: ``tigon bench convergence``, bf16 against torchao's float8 recipes
+  on a small Llama and a synthetic corpus.
 - :mod:`tigon.bench.processes`: e2e's and longctx's setups each in a child process of its own.
 - :mod:`tigon.bench.machine`: what they share: the device, the versions, the memory counters and the
   default results folder (``tigon-out/`` of the working directory).

@@ -21,7 +21,7 @@ from tigon.bench.providers import PROVIDERS, load_providers
 from tigon.bench.specs import MODES, OPS
 
 # `tigon bench NAME ...`: the module whose main() takes the rest of the arguments.
-SUBCOMMANDS = {name: name for name in ("e2e", "moe", "longctx", "axolotl", "parallel")}
+SUBCOMMANDS = {name: name for name in ("e2e", "moe", "longctx", "axolotl", "parallel", "convergence")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -29,14 +29,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tigon bench",
         usage="tigon bench [OP ...] [options] | tigon bench e2e [options] | tigon bench moe [options] | "
-        "tigon bench longctx [options] | tigon bench axolotl [options] | tigon bench parallel [options]",
+        "tigon bench longctx [options] | tigon bench axolotl [options] | tigon bench parallel [options] | "
+        "tigon bench convergence [options]",
         description="Time every op against its peers on this GPU and write CSV, JSON and plots. "
         "Without a GPU, runs a tiny smoke sweep that exercises the harness and times nothing. "
         "`tigon bench e2e` trains models end to end instead (Llama, Qwen3-MoE, Qwen2.5-VL, DeepSeek-V3, GPT-OSS; "
         "under TRL with --trl, FSDP2 with --gpus); `tigon bench moe` times whole MoE blocks; `tigon bench longctx` "
         "searches the longest sequence each setup trains at batch 1 under a memory cap; `tigon bench axolotl` times "
         "Axolotl's own training, plain, with its Liger plugin and with tigon's; `tigon bench parallel` times the "
-        "vocabulary-parallel loss and training under tensor and expert parallelism on several GPUs (see their --help).",
+        "vocabulary-parallel loss and training under tensor and expert parallelism on several GPUs; `tigon bench "
+        "convergence` trains bf16 against FP8 (see their --help).",
     )
     parser.add_argument("ops", nargs="*", metavar="OP", help=f"ops to run (default: all): {', '.join(OPS)}")
     parser.add_argument("--mode", choices=MODES, default="full",

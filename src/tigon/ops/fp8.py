@@ -84,10 +84,9 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: b
     (``dim = 0``: ``[1, K]``), each ``max(dtype) / amax`` of its slice. ``rows`` > M pads with zero
     rows (their scale, per row, is 1)."""
     limit = torch.finfo(dtype).max
-    if dim is None:
-        amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
-    else:
-        amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
+    # max |t| from its extremes: no [M, K] temporary of |t| or of an fp32 copy.
+    low, high = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=dim, keepdim=True)
+    amax = torch.maximum(high, -low).float()
     scale = (limit / amax.double().clamp(min=AMAX_EPS)).float()
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
