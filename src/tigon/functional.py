@@ -45,6 +45,7 @@ from tigon.ops import moe as _moe
 from tigon.ops import rms_norm as _rms_norm
 from tigon.ops import rope as _rope
 from tigon.ops import vocab_parallel as _vocab_parallel
+from tigon.ops.fp8 import RecipeName as Fp8Recipe
 from tigon.ops._launch import MAX_FUSED_ROW, host_sync_allowed, range_to_host, read_range
 
 if TYPE_CHECKING:
@@ -77,7 +78,6 @@ REDUCTIONS = ("mean", "sum", "none")
 Reduction = Literal["mean", "sum", "none"]
 CastingMode = Literal["llama", "gemma"]
 MoEGate = Literal["swiglu", "geglu", "swiglu_clamped"]
-Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 LogprobField = Literal["log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"]
 # (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1): None where not asked for.
 LogprobFields = tuple[
@@ -983,6 +983,7 @@ def fused_linear_logprobs(
     grad_in_forward: bool = False,
     backward_context: Callable[[], AbstractContextManager[Any]] | None = None,
     process_group: ProcessGroup | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> LogprobFields:
     """Per-token log-probabilities of ``target`` under ``input @ weight.T (+ bias)``, and
     optionally their entropy and more, without holding the ``[N, V]`` logits: the contract of
@@ -1017,6 +1018,7 @@ def fused_linear_logprobs(
         process_group: ``weight`` (and ``bias``) this rank's shard of a head sharded along the
             vocabulary, as in :func:`fused_linear_cross_entropy`, which also takes a DTensor
             ``weight`` placed ``(Shard(0),)``.
+        fp8: the head's matmuls in FP8 by a torchao recipe, as in :func:`fused_linear_cross_entropy`.
     Returns: ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``target``-shaped,
         fp32 (``is_top1`` bool), or ``None`` when not in ``outputs``.
     """
@@ -1041,7 +1043,10 @@ def fused_linear_logprobs(
     if backward_context is not None and not callable(backward_context):
         raise TypeError(f"backward_context must be None or callable, got {type(backward_context).__name__}")
     _check_chunk_memory(chunk_memory_bytes)
+    _fp8.check_recipe(fp8, weight.shape)
     if sharded is not None:
+        if fp8 is not None:
+            raise ValueError(f"fp8={fp8!r} with a vocabulary-sharded head: not supported; pass fp8=None")
         return _vocab_parallel.fused_linear_logprobs(
             input, weight, target, bias, _vocab_parallel.vocab_shard(weight, target.numel(), group, reduce_grad_input),
             ignore_index, float(temperature), None if softcap is None else float(softcap), float(logit_scale),
@@ -1049,5 +1054,5 @@ def fused_linear_logprobs(
         )
     return _fused_linear_logprobs.fused_linear_logprobs(
         input, weight, target, bias, ignore_index, float(temperature), None if softcap is None else float(softcap),
-        float(logit_scale), tuple(outputs), chunk_memory_bytes, bool(grad_in_forward), backward_context,
+        float(logit_scale), tuple(outputs), chunk_memory_bytes, bool(grad_in_forward), backward_context, fp8,
     )

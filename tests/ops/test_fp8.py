@@ -80,7 +80,7 @@ def test_fp8_head_within_fp8_error(recipe, reduction, bias, scaled_mm_calls):
     # "none" recomputes the logits in backward: its forward's matmuls once more.
     assert len(scaled_mm_calls) == n_chunks * (matmuls + (reduction == "none")), scaled_mm_calls
 
-    fp8_reference = reference.fused_linear_cross_entropy_fp8(x, weight, target, b, recipe=recipe)
+    fp8_reference = reference.fused_linear_cross_entropy(x, weight, target, b, fp8=recipe)
     reference_grads = _grads(fp8_reference, leaves)
     truth = reference.fused_linear_cross_entropy(
         x.double(), weight.double(), target, None if b is None else b.double())
@@ -96,7 +96,7 @@ def test_fp8_head_within_fp8_error(recipe, reduction, bias, scaled_mm_calls):
 def test_one_chunk_loss_equals_the_fp8_reference(recipe):
     x, weight, target, _, _ = _problem(CASES[0])
     ours = tf.fused_linear_cross_entropy(x, weight, target, fp8=recipe, chunk_memory_bytes=2**30)
-    theirs = reference.fused_linear_cross_entropy_fp8(x, weight, target, recipe=recipe)
+    theirs = reference.fused_linear_cross_entropy(x, weight, target, fp8=recipe)
     assert abs(ours.item() - theirs.item()) <= LOSS_TOLERANCE * abs(theirs.item())
 
 
@@ -117,3 +117,47 @@ def test_bad_fp8_arguments_are_refused():
         tf.fused_linear_cross_entropy(x, weight, target, fp8="float8")
     with pytest.raises(ValueError, match=r"the head's weight is \(270, 64\); FP8 matmuls need both dimensions divisible by 16"):
         tf.fused_linear_cross_entropy(x, weight[:270], target.clamp(max=269), fp8="rowwise")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_logprobs_and_entropy_within_fp8_error(recipe, scaled_mm_calls):
+    x, weight, target, _, chunk_memory_bytes = _problem(CASES[0])
+    valid = target != -100
+    log_probs, entropy, *_ = tf.fused_linear_logprobs(
+        x, weight, target, outputs=("log_probs", "entropy"), chunk_memory_bytes=chunk_memory_bytes, fp8=recipe)
+    loss = -(log_probs.sum() + 0.1 * entropy.sum()) / valid.sum()  # not grad_in_forward: backward recomputes
+    ours = _grads(loss, (x, weight))
+    assert len(scaled_mm_calls) >= 2 * -(-target.numel() // CASES[0][3])
+
+    def reference_loss(logits):
+        log_p = torch.log_softmax(logits, -1)
+        picked = log_p.gather(-1, target.reshape(-1, 1).clamp(min=0)).squeeze(-1) * valid.reshape(-1)
+        entropies = -(log_p.exp() * log_p).sum(-1) * valid.reshape(-1)
+        return -(picked.sum() + 0.1 * entropies.sum()) / valid.sum(), picked
+
+    fp8_loss, fp8_picked = reference_loss(reference.fp8_linear(x, weight, recipe=recipe))
+    truth_loss, _ = reference_loss(x.double().reshape(-1, x.shape[-1]) @ weight.double().T)
+    if fp8.RECIPES[recipe].axiswise:
+        torch.testing.assert_close(log_probs.reshape(-1).float(), fp8_picked.float(), atol=2e-2, rtol=0)
+    for mine, theirs, exact in zip(ours, _grads(fp8_loss, (x, weight)), _grads(truth_loss, (x, weight))):
+        assert _relative(mine, exact) <= FP8_ERROR_FACTOR * _relative(theirs, exact) + BF16_ERROR
+
+
+def test_fp8_grpo_loss_follows_the_bf16_one(scaled_mm_calls):
+    from tigon.losses import fused_linear_grpo
+
+    token_shape, hidden, vocab, _ = CASES[0]
+    x = randn(*token_shape, hidden, dtype=torch.bfloat16, requires_grad=True)
+    weight = randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True, scale=hidden**-0.5)
+    ids = torch.randint(0, vocab, token_shape, device=DEVICE)
+    mask = torch.ones(token_shape, dtype=torch.bool, device=DEVICE)
+    mask[:, -7:] = False
+    advantages = torch.randn(token_shape[0], device=DEVICE)
+    old = -torch.rand(token_shape, device=DEVICE) * 6
+    bf16_loss, _ = fused_linear_grpo(x, weight, ids, mask, advantages, old_per_token_logps=old)
+    assert not scaled_mm_calls
+    fp8_loss, metrics = fused_linear_grpo(x, weight, ids, mask, advantages, old_per_token_logps=old, fp8="rowwise")
+    assert scaled_mm_calls and torch.isfinite(metrics["entropy"])
+    assert abs(fp8_loss.item() - bf16_loss.item()) <= 0.05 * abs(bf16_loss.item()) + 1e-3
+    with pytest.raises(ValueError, match="fp8 must be None or one of"):
+        fused_linear_grpo(x, weight, ids, mask, advantages, fp8="e4m3")

@@ -207,6 +207,30 @@ def _cut_cross_entropy() -> OpTable:
     return {"fused_linear_cross_entropy": lambda a: linear_cross_entropy(a["input"], a["weight"], a["target"])}
 
 
+def _torchao() -> OpTable:
+    """torchao's float8 training as a user of it computes the loss: the head a ``Float8Linear``
+    (rowwise recipe) giving the whole bf16 logits, then PyTorch's cross entropy over them in fp32."""
+    import torch.nn.functional as F
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    heads: dict[int, Float8Linear] = {}
+
+    def head(weight: torch.Tensor) -> Float8Linear:
+        # One module per weight, made once: its Parameter shares the case's weight storage.
+        if id(weight) not in heads:
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
+            heads[id(weight)] = Float8Linear.from_float(linear, config=config)
+        return heads[id(weight)]
+
+    return {
+        "fused_linear_cross_entropy_fp8": lambda a: F.cross_entropy(
+            head(a["weight"])(a["input"]).float(), a["target"]),
+    }
+
+
 def _quack() -> OpTable:
     if torch.cuda.get_device_capability()[0] < 9:
         raise RuntimeError("Quack's CuTe DSL kernels need a Hopper (sm_90) or newer GPU")
@@ -224,7 +248,8 @@ PROVIDERS: dict[str, Provider] = {
         Provider(
             "tigon", _tigon,
             grads_in_forward=frozenset({
-                "cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs", "fused_linear_logprobs_sft", *LOSSES,
+                "cross_entropy", "fused_linear_cross_entropy", "fused_linear_cross_entropy_fp8", "fused_linear_logprobs",
+                "fused_linear_logprobs_sft", *LOSSES,
             }),
         ),
         Provider("torch", _torch),
@@ -240,6 +265,7 @@ PROVIDERS: dict[str, Provider] = {
         Provider("trl", _trl, distribution="trl"),
         Provider("cce", _cut_cross_entropy, distribution="cut-cross-entropy", needs_gpu=True),
         Provider("quack", _quack, distribution="quack-kernels", needs_gpu=True),
+        Provider("torchao", _torchao, distribution="torchao"),
     )
 }
 

@@ -516,6 +516,17 @@ OPS: dict[str, OpSpec] = {
             work=_fused_linear_flops,
             unit=FLOPS,
         ),
+        # The same loss with the head's matmuls in FP8 (torchao's rowwise recipe): the work is the
+        # same FLOPs, at the FP8 tensor cores' rate; against tigon's bf16 loss above in one run.
+        OpSpec(
+            "fused_linear_cross_entropy_fp8", "x [{rows}, {H}], W [{V}, {H}], rowwise FP8",
+            sweep=Sweep("V", VOCAB_SIZES, 128256, {"rows": 8192, "H": 4096}),
+            smoke=Sweep("V", (496, 1008), 1008, {"rows": 32, "H": 64}),
+            build=_fused_linear_case,
+            call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"], fp8="rowwise"),
+            work=_fused_linear_flops,
+            unit=FLOPS,
+        ),
         # A LoRA linear layer (PEFT's lora.Linear: frozen bf16 base, fp32 adapters r 16) at the
         # projections of Llama-3-8B: k/v (1024), q/o (4096), gate/up (14336), 16384 tokens.
         OpSpec(

@@ -60,6 +60,8 @@ from tigon._checks import (
     check_tensor,
     vocab_sharded_head,
 )
+from tigon.ops.fp8 import RecipeName as Fp8Recipe
+from tigon.ops.fp8 import check_recipe
 from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
 from tigon.ops.vocab_parallel import vocab_shard
 
@@ -261,7 +263,7 @@ def fused_linear_grpo(
     temperature: float = 1.0, max_completion_length: int | None = None, sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, chunk_memory_bytes: int | None = None,
-    process_group: ProcessGroup | None = None,
+    process_group: ProcessGroup | None = None, fp8: Fp8Recipe | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss of the module docstring → ``(loss, metrics)``.
 
@@ -283,6 +285,8 @@ def fused_linear_grpo(
             vocabulary, as in :func:`tigon.functional.fused_linear_cross_entropy`, which also takes
             ``weight`` as a DTensor placed ``(Shard(0),)`` (and ``input`` and ``completion_ids``
             as DTensors placed ``Replicate()``). Every rank gets the whole loss and metrics.
+        fp8: the head's matmuls in FP8 by a torchao recipe, as in
+            :func:`tigon.functional.fused_linear_cross_entropy` (not with ``process_group``).
     The mask, advantages, old and reference log-probs, ``num_items_in_batch`` and the options are
     constants of the loss: given as tensors that require grad (with grad mode on), they are refused.
     Returns: the fp32 scalar loss, and a dict of detached fp32 scalars: ``entropy`` (mean over
@@ -306,6 +310,9 @@ def fused_linear_grpo(
         input, weight, bias, completion_ids, group, reduce_grad_input = sharded
     _check_args(input, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                 ref_per_token_logps, num_items_in_batch, options)
+    check_recipe(fp8, weight.shape)
+    if fp8 is not None and sharded is not None:
+        raise ValueError(f"fp8={fp8!r} with a vocabulary-sharded head: not supported; pass fp8=None")
     shard = None if sharded is None else vocab_shard(weight, completion_ids.numel(), group, reduce_grad_input)
     mask = completion_mask.bool()
     target = torch.where(mask, completion_ids, IGNORE_INDEX)
@@ -338,7 +345,7 @@ def fused_linear_grpo(
 
     loss, log_probs, entropy = fused_linear_logprob_loss(
         input, weight, target, bias, loss_share, split, IGNORE_INDEX, options.temperature, chunk_memory_bytes,
-        ids=("completion_ids", ids), shard=shard,
+        ids=("completion_ids", ids), shard=shard, fp8=fp8,
     )
     logps = log_probs.double()
     metrics = _metrics(logps, entropy.double(), logps if old is None else old, ref, advantages64, mask, options)
@@ -357,6 +364,7 @@ class FusedLinearGRPOLoss(torch.nn.Module):
         temperature: float = 1.0, max_completion_length: int | None = None, sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
         vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, chunk_memory_bytes: int | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         self.options: dict[str, Any] = dict(
@@ -365,8 +373,9 @@ class FusedLinearGRPOLoss(torch.nn.Module):
             max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
             sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
             vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, chunk_memory_bytes=chunk_memory_bytes,
+            fp8=fp8,
         )
-        GRPOOptions(**{k: v for k, v in self.options.items() if k != "chunk_memory_bytes"}).check()
+        GRPOOptions(**{k: v for k, v in self.options.items() if k not in ("chunk_memory_bytes", "fp8")}).check()
 
     def forward(
         self, input: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,

@@ -32,8 +32,12 @@ round to nearest even), blocked over rows so that their fp32 temporaries stay sm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+# The recipes' names, as torchao's Float8LinearConfig.from_recipe_name takes them.
+RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # torchao's floor on amax, so that an all-zero tensor gets a finite scale.

@@ -71,7 +71,7 @@ from tigon.ops.cross_entropy import (
     target_bounds,
     vocab_row_geometry,
 )
-from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, new_grads, row_chunks
+from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, head_matmuls, new_grads, row_chunks
 from tigon.ops.fused_linear_preference import scaled_grads
 
 if TYPE_CHECKING:
@@ -329,7 +329,7 @@ def _grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_
 
 def _fwd_fake(input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, store_entropy,
               store_log_sum_sq, store_mean_logit, store_is_top1, chunk_rows, grad_input_needed, grad_weight_needed,
-              grad_bias_needed, keep_logits):
+              grad_bias_needed, keep_logits, fp8=None):
     n_rows = input.shape[0]
 
     def field(stored, dtype=torch.float32):
@@ -350,13 +350,15 @@ def fused_linear_logprobs_fwd(
     ignore_index: int, temperature: float, softcap: float | None, logit_scale: float,
     store_entropy: bool, store_log_sum_sq: bool, store_mean_logit: bool, store_is_top1: bool,
     chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool, keep_logits: bool,
+    fp8: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
     """``input [N, H]`` (unit column stride), ``weight [V, H]``, ``target [N]`` → ``log_prob``,
     ``lse``, ``entropy``, ``log_sum_sq``, ``mean_logit`` (fp32 ``[N]``), ``is_top1`` (bool ``[N]``),
     each empty unless stored, the gradients ``grad_input [N, H]``, ``grad_weight [V, H]``,
     ``grad_bias [V]`` of ``Σ log_prob`` (empty unless needed) and, with ``keep_logits``, the logits
-    buffer ``[min(C, N), V]``, which holds the last chunk's logits in its first rows."""
+    buffer ``[min(C, N), V]``, which holds the last chunk's logits in its first rows; the matmuls
+    in FP8 by the recipe ``fp8`` unless ``None`` (:mod:`tigon.ops.fp8`)."""
     n_rows = input.shape[0]
     grad_input, grad_weight, grad_bias = new_grads(
         input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed,
@@ -380,14 +382,15 @@ def fused_linear_logprobs_fwd(
     logits_buffer = input.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
     fused_linear_chunks(
         input, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head, grad_input, grad_weight, grad_bias,
-        logits_buffer=logits_buffer,
+        logits_buffer=logits_buffer, matmuls=head_matmuls(weight, fp8, grad_input_needed),
     )
     kept = logits_buffer if keep_logits else input.new_empty(0)
     return (*fields, *_grads_out(input, bias, grad_input, grad_weight, grad_bias), kept)
 
 
 def _bwd_fake(grad_log_prob, grad_entropy, input, weight, target, bias, lse, entropy, logits_buffer, ignore_index,
-              temperature, softcap, logit_scale, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed):
+              temperature, softcap, logit_scale, chunk_rows, grad_input_needed, grad_weight_needed, grad_bias_needed,
+              fp8=None):
     return _grads_fake(input, weight, grad_input_needed, grad_weight_needed, grad_bias_needed)
 
 
@@ -397,6 +400,7 @@ def fused_linear_logprobs_bwd(
     target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, entropy: torch.Tensor,
     logits_buffer: torch.Tensor, ignore_index: int, temperature: float, softcap: float | None, logit_scale: float,
     chunk_rows: int, grad_input_needed: bool, grad_weight_needed: bool, grad_bias_needed: bool,
+    fp8: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Turns each chunk's logits into ``dL/dy`` for the upstream fp32 ``grad_log_prob [N]`` and
     ``grad_entropy [N]`` (empty: no entropy gradient), in the forward's ``logits_buffer``: the last
@@ -421,6 +425,7 @@ def fused_linear_logprobs_bwd(
     fused_linear_chunks(
         input, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, grad_input, grad_weight, grad_bias,
         logits_buffer=logits_buffer if kept else None, first_chunk_computed=kept,
+        matmuls=head_matmuls(weight, fp8, grad_input_needed),
     )
     return _grads_out(input, bias, grad_input, grad_weight, grad_bias)
 
@@ -461,7 +466,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, stored,
-                chunk_memory_bytes, needs, grad_in_forward, backward_context):
+                chunk_memory_bytes, needs, grad_in_forward, backward_context, fp8):
         x2d = as_rows(input)
         target = target.reshape(-1)
         chunk_rows = chunk_rows_for(x2d.shape[0], weight.shape[0], x2d.element_size(), chunk_memory_bytes)
@@ -475,11 +480,11 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         keep_logits = any(needs) and not grad_in_forward
         log_prob, lse, entropy, log_sum_sq, mean_logit, is_top1, *grads, logits_buffer = fused_linear_logprobs_fwd(
             x2d, weight, target, bias, *options, *stored, chunk_rows, *(n and grad_in_forward for n in needs),
-            keep_logits,
+            keep_logits, fp8,
         )
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x2d, weight, target, bias, lse, entropy, logits_buffer, *grads)
-        ctx.options, ctx.chunk_rows, ctx.needs = options, chunk_rows, needs
+        ctx.options, ctx.chunk_rows, ctx.needs, ctx.fp8 = options, chunk_rows, needs, fp8
         ctx.grad_in_forward, ctx.backward_context, ctx.input_shape = grad_in_forward, backward_context, input.shape
         ctx.mark_non_differentiable(log_sum_sq, mean_logit, is_top1)
         return log_prob, entropy, log_sum_sq, mean_logit, is_top1
@@ -488,7 +493,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy, *_):
         x2d, weight, target, bias, lse, entropy, logits_buffer, *grads = ctx.saved_tensors
         if grad_log_prob is None and grad_entropy is None:
-            return (None,) * 13
+            return (None,) * 14
         ignore_index = ctx.options[0]
         grad_log_prob = torch.zeros_like(lse) if grad_log_prob is None else grad_log_prob.float().contiguous()
         scale = None
@@ -506,7 +511,7 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
             with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
                 grads = fused_linear_logprobs_bwd(
                     grad_log_prob, grad_entropy, x2d, weight, target, bias, lse, entropy, logits_buffer,
-                    *ctx.options, ctx.chunk_rows, *ctx.needs,
+                    *ctx.options, ctx.chunk_rows, *ctx.needs, ctx.fp8,
                 )
         grad_input_needed, grad_weight_needed, grad_bias_needed = ctx.needs
         return (
@@ -514,12 +519,12 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
             grads[1] if grad_weight_needed else None,
             None,
             grads[2] if grad_bias_needed else None,
-            None, None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None, None,
         )
 
 
 def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, outputs,
-                          chunk_memory_bytes, grad_in_forward, backward_context):
+                          chunk_memory_bytes, grad_in_forward, backward_context, fp8=None):
     """``input [..., H]``, ``weight [V, H]``, ``target [...]`` → the five fields of :data:`FIELDS`,
     each ``target``-shaped (``None`` unless in ``outputs``); inputs validated by
     :mod:`tigon.functional`, the targets' range here, once the kernels are queued."""
@@ -529,7 +534,7 @@ def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature
     bounds = target_bounds(target, ignore_index)
     fields = FusedLinearLogprobsFunction.apply(
         input, weight, target, bias, ignore_index, temperature, softcap, logit_scale, stored, chunk_memory_bytes,
-        needs, grad_in_forward, backward_context,
+        needs, grad_in_forward, backward_context, fp8,
     )
     check_target_bounds(bounds, weight.shape[0], ignore_index)
     return tuple(
@@ -571,7 +576,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature,
-                chunk_memory_bytes, needs, shard: VocabShard | None = None):
+                chunk_memory_bytes, needs, shard: VocabShard | None = None, fp8: str | None = None):
         n_sequences, seq_len = target.shape
         x2d, target_rows = as_rows(input), target.reshape(-1)
         n_rows = target_rows.numel()
@@ -589,6 +594,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         ones = torch.ones(min(chunk_rows, n_rows), dtype=torch.float32, device=input.device)
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
         sharded_transform = transform_args(temperature, None, 1.0)
+        matmuls = head_matmuls(weight, fp8, needs[0])
 
         def logprobs_head(ranges, logits):
             rows = slice(*ranges[0])
@@ -629,9 +635,10 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
         if not two_pass:
             fused_linear_chunks(x2d, weight, bias, chunks, loss_head, grad_input, grad_weight, grad_bias,
-                                logits_buffer=logits_buffer)
+                                logits_buffer=logits_buffer, matmuls=matmuls)
         else:
-            fused_linear_chunks(x2d, weight, bias, chunks, logprobs_head, logits_buffer=logits_buffer)
+            fused_linear_chunks(x2d, weight, bias, chunks, logprobs_head, logits_buffer=logits_buffer,
+                                matmuls=matmuls)
             all_grad_logps = add_share(slice(0, n_rows))
             if all_grad_logps is not None:
 
@@ -642,7 +649,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
                 fused_linear_chunks(
                     x2d, weight, bias, chunks[-1:] + chunks[:-1], recomputed_grad_head, grad_input, grad_weight,
-                    grad_bias, logits_buffer=logits_buffer, first_chunk_computed=True,
+                    grad_bias, logits_buffer=logits_buffer, first_chunk_computed=True, matmuls=matmuls,
                 )
         if shard is not None:
             shard.finish_grad_input(grad_input)
@@ -655,26 +662,28 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob, grad_entropy):
         grad_input, grad_weight, grad_bias = scaled_grads(ctx.saved_tensors, ctx.needs, grad_loss, ctx.input_shape)
-        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None
 
 
 def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, split_sequences: bool,
                               ignore_index: int, temperature: float, chunk_memory_bytes: int | None,
-                              ids: tuple[str, torch.Tensor] | None = None, shard: VocabShard | None = None):
+                              ids: tuple[str, torch.Tensor] | None = None, shard: VocabShard | None = None,
+                              fp8: str | None = None):
     """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
     entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over the chunks of
     :class:`FusedLinearLogprobLossFunction` (``split_sequences``: chunks may split a sequence);
     inputs validated by :mod:`tigon.losses`, the targets' range here, once the kernels are queued:
     of ``target`` less ``ignore_index``, or, with ``ids = (name, tensor)``, of every entry of the
     caller's ``tensor`` (the ids ``target`` was made from), reported as ``name``. With ``shard``,
-    ``weight`` and ``bias`` are this rank's slice of a vocabulary-parallel head."""
+    ``weight`` and ``bias`` are this rank's slice of a vocabulary-parallel head; with ``fp8`` (a
+    recipe of :mod:`tigon.ops.fp8`; not with ``shard``) the head's matmuls are FP8."""
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(t is not None and t.requires_grad and grad_enabled for t in (input, weight, bias))
     name, checked, checked_ignore = ("target", target, ignore_index) if ids is None else (*ids, None)
     bounds = target_bounds(checked, checked_ignore)
     result = FusedLinearLogprobLossFunction.apply(
         input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature, chunk_memory_bytes,
-        needs, shard,
+        needs, shard, fp8,
     )
     check_target_bounds(bounds, weight.shape[0] if shard is None else shard.vocab_size, checked_ignore, name)
     return result

@@ -306,7 +306,11 @@ def cross_entropy(
     return (loss, z_loss) if return_z_loss else loss
 
 
-def fused_linear_cross_entropy(input, weight, target, bias=None, **options):
+def fused_linear_cross_entropy(input, weight, target, bias=None, fp8=None, **options):
+    """Cross entropy of ``input @ weight.T (+ bias)``; with ``fp8`` (a recipe name) the head's
+    matmuls are FP8 ones (:func:`fp8_linear`), over the ``[N, H]`` rows."""
+    if fp8 is not None:
+        return cross_entropy(fp8_linear(input, weight, bias, fp8), target.reshape(-1), **options)
     logits = input @ weight.T
     if bias is not None:
         logits = logits + bias
@@ -361,13 +365,12 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_input, grad_weight, None
 
 
-def fused_linear_cross_entropy_fp8(input, weight, target, bias=None, recipe="tensorwise", **options):
-    """:func:`fused_linear_cross_entropy` with the head's matmuls in FP8 as torchao's float8
-    ``recipe`` computes them (fake-quantized operands, fp32 products), over the whole input at once."""
+def fp8_linear(input, weight, bias=None, recipe="tensorwise"):
+    """``input [..., H] @ weight.T (+ bias)`` → fp32 ``[N, V]``, its three matmuls in FP8 as
+    torchao's float8 ``recipe`` computes them (fake-quantized operands, fp32 products), over the
+    whole input at once."""
     logits = _Fp8Linear.apply(input.reshape(-1, input.shape[-1]), weight, recipe)
-    if bias is not None:
-        logits = logits + bias.float()
-    return cross_entropy(logits, target.reshape(-1), **options)
+    return logits if bias is None else logits + bias.float()
 
 
 def fused_linear_logprobs(input, weight, target, bias=None, temperature=1.0, softcap=None, logit_scale=1.0,
