@@ -25,12 +25,14 @@ count upwards from a random start after a prompt of -100 labels), so the script 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --strategy zero3 # examples/deepspeed_zero3.json
     python examples/train_fsdp2.py --strategy single --grad-accum 4       # the same steps in one process
     torchrun --nproc-per-node 2 examples/train_fsdp2.py --model qwen3_moe
+    torchrun --nproc-per-node 2 examples/train_fsdp2.py --fp8 tensorwise # torchao float8, FP8 all-gathers
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -40,9 +42,16 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tigon.transformers import apply_tigon_to_llama, apply_tigon_to_qwen3_moe, set_checkpointing
+from tigon.transformers import (
+    apply_tigon_to_llama,
+    apply_tigon_to_qwen3_moe,
+    set_checkpointing,
+    unapply_tigon_to_llama,
+    unapply_tigon_to_qwen3_moe,
+)
 
 STRATEGIES = ("fsdp2", "ddp", "zero3", "single")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 DEEPSPEED_CONFIG = Path(__file__).with_name("deepspeed_zero3.json")
 
 
@@ -57,6 +66,9 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=128)
     parser.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the input embeddings' weight")
+    parser.add_argument("--fp8", choices=FP8_RECIPES,
+                        help="train every linear layer (lm_head included) in FP8 by this torchao float8 recipe; under "
+                        "FSDP2 with tensorwise, the weights are all-gathered in FP8")
     parser.add_argument("--shard-lm-head", action="store_true",
                         help="FSDP2: lm_head is a unit of its own, resharded after its forward")
     parser.add_argument("--offload", action="store_true",
@@ -100,6 +112,9 @@ def build_model(args, device: torch.device):
     if args.tigon:
         # Before the model is built: its RMSNorm, SwiGLU MLP (or experts), RoPE and loss come from tigon.
         (apply_tigon_to_qwen3_moe if moe else apply_tigon_to_llama)()
+    else:
+        # Plain, even in a process where an earlier run patched the family.
+        (unapply_tigon_to_qwen3_moe if moe else unapply_tigon_to_llama)()
     shape = dict(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
@@ -116,9 +131,23 @@ def build_model(args, device: torch.device):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.offload:
         set_checkpointing(model, 0, offload=True)  # each rank offloads its own layers' inputs
+    if args.fp8:
+        to_float8(model, args)
     model.config.use_cache = False
     model.train()
     return model
+
+
+def to_float8(model, args) -> None:
+    """torchao's float8 training on every linear layer whose dimensions divide by 16, lm_head
+    included (tigon's fused loss follows its recipe). FSDP2 then all-gathers tensorwise weights in
+    FP8, their scales computed once per step for every layer (Engine.step)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(args.fp8)
+    if args.strategy == "fsdp2" and args.fp8 == "tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config)
 
 
 def sequence(index: int, seq_len: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +179,7 @@ class Engine:
 
     def __init__(self, model, args, world_size: int, device: torch.device):
         self.strategy, self.max_grad_norm, bf16 = args.strategy, args.max_grad_norm, args.precision == "bf16"
+        self.fp8_all_gather = args.strategy == "fsdp2" and args.fp8 == "tensorwise"
         # FSDP2's policy and DeepSpeed's bf16 section cast the parameters; DDP and one process autocast.
         autocast = bf16 and self.strategy in ("ddp", "single")
         self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
@@ -206,6 +236,10 @@ class Engine:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.fp8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # FSDP2: a DTensor
 
 

@@ -22,6 +22,14 @@ from utils import launch_worker, wait_for
 HERE = Path(__file__).resolve().parent
 TINY = ["--hidden-size", "32", "--layers", "2", "--seq-len", "16", "--micro-batch", "1", "--steps", "2"]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+# FSDP2 with torchao's tensorwise float8 (the weights all-gathered in FP8, tigon's fused loss reading
+# the head's FP8 weight as FSDP2 hands it over), patched and plain: FP8 rounding apart, the same.
+FP8_RUNS = {
+    "fsdp2-fp8": ("--strategy", "fsdp2", "--precision", "bf16", "--fp8", "tensorwise"),
+    "fsdp2-fp8-plain": ("--strategy", "fsdp2", "--precision", "bf16", "--fp8", "tensorwise", "--no-tigon"),
+}
+FP8_TOLERANCE = 2e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,8 @@ def results(tmp_path_factory) -> dict:
         name: ("--grad-accum", "2", *run.arguments)
         for name, run in TWO_PROCESSES.items() if HAS_DEEPSPEED or not run.needs_deepspeed
     }
+    if HAS_TORCHAO:
+        pair.update({name: ("--grad-accum", "2", *arguments) for name, arguments in FP8_RUNS.items()})
     wait_for([_launch(1, single, out, "one"), _launch(2, pair, out, "two")], timeout=900)
     return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
 
@@ -96,3 +106,12 @@ def test_two_processes_match_one(results, name):
     assert len(two["losses"]) == len(one["losses"]) == 2
     assert two["losses"] == pytest.approx(one["losses"], rel=run.tolerance)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=10 * run.tolerance)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed")
+def test_fsdp2_with_fp8_weights_all_gathered_matches_torchao_alone(results):
+    ours, plain = results["fsdp2-fp8"], results["fsdp2-fp8-plain"]
+    assert ours["fused_loss"] and not plain["fused_loss"]
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=FP8_TOLERANCE)
+    assert ours["grad_norms"] == pytest.approx(plain["grad_norms"], rel=10 * FP8_TOLERANCE)

@@ -109,6 +109,13 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: b
     return out, inverse
 
 
+def is_float8_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is torchao's ``Float8TrainingTensor``: FP8 ``_data`` with its ``_scale``
+    (``max(dtype) / amax``), standing for a tensor of its ``dtype``."""
+    data = getattr(weight, "_data", None)
+    return isinstance(data, torch.Tensor) and data.dtype in (E4M3, E5M2) and hasattr(weight, "_scale")
+
+
 def column_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the same values, laid out column-major (``_scaled_mm``'s second operand)."""
     return t.t().contiguous().t()
@@ -136,7 +143,14 @@ class Fp8HeadMatmuls:
         self.recipe = RECIPES[recipe]
         self.dtype = weight.dtype
         pow2 = self.recipe.power_of_2_scales
-        self.weight_fp8, weight_inverse = quantize(weight, E4M3, 1 if self.recipe.axiswise else None, pow2)
+        if is_float8_weight(weight):
+            # Already cast, tensorwise (FSDP2 all-gathers torchao's weights in FP8 so).
+            if self.recipe.axiswise:
+                raise ValueError(f"fp8={recipe!r}: the weight is already FP8 with one scale (tensorwise); "
+                                 "expected the tensorwise recipe")
+            self.weight_fp8, weight_inverse = weight._data, weight._scale.float().reciprocal()
+        else:
+            self.weight_fp8, weight_inverse = quantize(weight, E4M3, 1 if self.recipe.axiswise else None, pow2)
         # The logits' second operand is Wᵀ [H, V], column-major: W's rows as they are.
         self.weight_inverse = weight_inverse.reshape(1, -1) if self.recipe.axiswise else weight_inverse
         self.weight_for_grad_input = None

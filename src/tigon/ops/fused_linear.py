@@ -102,11 +102,13 @@ def linear_logits(x_chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def new_grads(x2d, weight, grad_input_needed, grad_weight_needed, grad_bias_needed):
     """Gradient buffers for what is needed, ``None`` for the rest (``grad_bias`` accumulates in fp32)."""
-    # The first chunk's matmul writes grad_weight; without rows there is no chunk to do it.
-    new_weight_like = torch.empty_like if x2d.shape[0] > 0 else torch.zeros_like
+    # The first chunk's matmul writes grad_weight; without rows there is no chunk to do it. Made
+    # from the weight's shape and dtype, not like it: a weight may be a tensor subclass (torchao's
+    # FP8 weight, all-gathered in FP8 by FSDP2) whose gradient is a plain tensor.
+    new_weight_grad = torch.empty if x2d.shape[0] > 0 else torch.zeros
     return (
         torch.empty_like(x2d, memory_format=torch.contiguous_format) if grad_input_needed else None,
-        new_weight_like(weight, memory_format=torch.contiguous_format) if grad_weight_needed else None,
+        new_weight_grad(weight.shape, dtype=weight.dtype, device=weight.device) if grad_weight_needed else None,
         torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grad_bias_needed else None,
     )
 

@@ -266,6 +266,13 @@ def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_ind
     )
 
 
+# The fields of torchao's Float8LinearConfig that set how each matmul operand is scaled and cast.
+FLOAT8_SCALING_FIELDS = (
+    "cast_config_input", "cast_config_input_for_grad_weight", "cast_config_weight", "cast_config_weight_for_grad_input",
+    "cast_config_grad_output", "cast_config_grad_output_for_grad_weight", "round_scales_to_power_of_2",
+)
+
+
 def head_fp8_recipe(head: torch.nn.Module) -> str | None:
     """The torchao float8 recipe of a head that ``convert_to_float8_training`` converted (its
     ``Float8Linear``), ``None`` for any other head. Raises ``ValueError`` for a config other than
@@ -277,11 +284,16 @@ def head_fp8_recipe(head: torch.nn.Module) -> str | None:
 
     from tigon.ops.fp8 import RECIPES
 
+    def scaling(config) -> dict:
+        # What decides the numbers: how each operand is cast. How FSDP all-gathers the weight, or
+        # whether a matmul accumulates fast, does not make another recipe.
+        return {name: getattr(config, name) for name in FLOAT8_SCALING_FIELDS}
+
     for recipe in RECIPES:
-        if head.config == Float8LinearConfig.from_recipe_name(recipe):
+        if scaling(head.config) == scaling(Float8LinearConfig.from_recipe_name(recipe)):
             return recipe
     raise ValueError(
-        f"lm_head is a torchao Float8Linear of config {head.config}, which is none of the recipes tigon's fused loss "
-        f"computes in FP8 ({', '.join(RECIPES)}): convert with one of them, leave lm_head out of the conversion "
+        f"lm_head is a torchao Float8Linear whose casts {scaling(head.config)} are none of the recipes tigon's fused "
+        f"loss computes in FP8 ({', '.join(RECIPES)}): convert with one of them, leave lm_head out of the conversion "
         "(module_filter_fn), or patch with fused_linear_cross_entropy=False"
     )
