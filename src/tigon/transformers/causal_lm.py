@@ -37,6 +37,8 @@ those hidden states and ``lm_head``'s weight by tigon's fused linear cross entro
   fused loss runs the head's matmuls in FP8 by the same recipe (``fp8=`` of
   :func:`tigon.functional.fused_linear_cross_entropy`); a config that is none of torchao's three
   recipes is refused by name;
+- a head sharded along the vocabulary by DeepSpeed's AutoTP (a column-parallel ``LinearLayer``):
+  the loss is vocabulary-parallel over its tensor-parallel group;
 - MoE models: ``router_aux_loss_coef · aux_loss`` is added, as their forward does with labels.
 
 Everything else (the decoder, router logits, caches, hidden states, attentions) comes from the
@@ -238,10 +240,11 @@ def _loss_when_asked(head, args):
             request["ignore_index"], request["reduction"],
         )
     )
-    # A DTensor head (tensor parallel) is given one position: DTensor's sharding propagation of the
-    # linear divides by an empty dimension, as torchao's FP8 scaling does (the amax of nothing).
-    # Their [B, 1, V] logits are dropped like the empty ones.
-    positions = 1 if isinstance(head.weight, DTensor) or head_fp8_recipe(head) is not None else 0
+    # Any head but a plain nn.Linear is given one position: DTensor's sharding propagation of the
+    # linear divides by an empty dimension, torchao's FP8 scaling takes the amax of nothing, and a
+    # wrapper's collectives (DeepSpeed's gathered output) need not take empty tensors. Their
+    # [B, 1, V] logits are dropped like the empty ones.
+    positions = 0 if type(head) is torch.nn.Linear and not isinstance(head.weight, DTensor) else 1
     return (hidden_states.narrow(-2, 0, positions), *args[1:])
 
 
@@ -263,7 +266,19 @@ def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_ind
     return F.fused_linear_cross_entropy(
         hidden_states, weight, targets.to(hidden_states.device), bias,
         ignore_index=ignore_index, reduction=reduction, softcap=softcap, fp8=head_fp8_recipe(head),
+        process_group=autotp_vocab_group(head),
     )
+
+
+def autotp_vocab_group(head: torch.nn.Module):
+    """The tensor-parallel group of a head that DeepSpeed's AutoTP sharded along the vocabulary
+    (its column-parallel ``LinearLayer``: each rank's ``weight`` a slice of the rows, in rank
+    order), whose loss is then vocabulary-parallel; ``None`` for any other head."""
+    layers = sys.modules.get("deepspeed.module_inject.layers")
+    if layers is None or not isinstance(head, layers.LinearLayer):
+        return None
+    group = getattr(head, "mp_group", None)
+    return group if group is not None and getattr(head, "tp_world_size", 1) > 1 else None
 
 
 # The fields of torchao's Float8LinearConfig that set how each matmul operand is scaled and cast.
