@@ -66,6 +66,21 @@ def seeded():
 
 
 @pytest.fixture
+def scaled_mm_calls(monkeypatch) -> list:
+    """The FP8 matmuls made during the test: each ``torch._scaled_mm`` call appends its first
+    operand's dtype (tigon's FP8 head and torchao's Float8Linear both look it up on ``torch``)."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    return calls
+
+
+@pytest.fixture
 def hugging_face_modules_restored():
     """Patching before a model is built changes Hugging Face's modeling modules for the whole
     process (and patching a model changes its module's rotary function): a test using this

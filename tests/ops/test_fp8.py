@@ -30,19 +30,6 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
-def scaled_mm_calls(monkeypatch):
-    calls = []
-    scaled_mm = torch._scaled_mm
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return scaled_mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_scaled_mm", counting)
-    return calls
-
-
 def _relative(value, truth):
     return ((value.double() - truth.double()).norm() / truth.double().norm()).item()
 

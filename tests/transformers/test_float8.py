@@ -27,19 +27,6 @@ STEPS = 3
 LOSS_TOLERANCE = 2e-3
 
 
-@pytest.fixture
-def scaled_mm_calls(monkeypatch):
-    calls = []
-    scaled_mm = torch._scaled_mm
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return scaled_mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_scaled_mm", counting)
-    return calls
-
-
 def float8_model(order: str, recipe: str, lora: bool = False):
     """The tiny Llama in bf16 under non-reentrant checkpointing, converted by torchao's ``recipe``,
     patched by tigon before (``"tigon_first"``) or after (``"float8_first"``) or not (``"torchao"``)."""
