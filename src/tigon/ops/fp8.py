@@ -25,8 +25,9 @@ column-major for ``dx``) are made once per call: ``V·H`` bytes each.
 
 ``torch._scaled_mm`` needs the inner and output dimensions to divide by 16 on the GPU: ``H`` and
 ``V`` must (torchao converts only such linears), and a chunk's rows, the inner dimension of
-``dW``, are padded with zero rows to a multiple of 16. The casts are PyTorch's (``.to(float8)``,
-round to nearest even), blocked over rows so that their fp32 temporaries stay small.
+``dW``, are padded with zero rows to a multiple of 16. Each operand is cast by one kernel
+(:func:`fp8_cast_kernel`: a row's amax and cast in one program for per-row scales; per-column and
+per-tensor scales from PyTorch's ``aminmax``), rounding to nearest even as ``.to(float8)`` does.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import triton
+import triton.language as tl
+
+from tigon.ops._launch import launch
 
 # The recipes' names, as torchao's Float8LinearConfig.from_recipe_name takes them.
 RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -44,8 +49,78 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12
 # _scaled_mm's alignment of the inner and output dimensions.
 ALIGN = 16
-# Elements cast per block of rows: the fp32 temporary of one block.
-CAST_BLOCK_ELEMENTS = 2**25
+
+
+# A cast kernel's block of columns, and its warps.
+CAST_BLOCK_N, CAST_WARPS = 2048, 8
+# Where quantize's scale comes from in the cast kernel.
+SCALE_ROW, SCALE_COLUMN, SCALE_TENSOR = 0, 1, 2
+# Adding then subtracting 2^23 rounds an fp32 in [0, 2^22) to an integer, to nearest even.
+ROUND_TO_INTEGER = 8388608.0
+
+
+@triton.jit
+def fp8_code(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """The FP8 byte (sign, ``8 - 1 - MANT_BITS`` exponent bits of bias ``EXP_BIAS``, ``MANT_BITS``
+    mantissa bits) of fp32 ``y``, rounded to nearest even; ``|y|`` must not exceed the format's
+    largest finite value. Computed from the bits rather than by Triton's cast: its CPU interpreter
+    rounds fp32 → FP8 otherwise than the GPU (42 → 44 in e4m3, 31.6875 → 16)."""
+    sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7
+    magnitude = tl.abs(y)
+    exponent = ((magnitude.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    # The format's spacing at |y|: 2^(e - MANT_BITS) for normals, 2^(1 - bias - MANT_BITS) below.
+    spacing_exponent = tl.maximum(exponent, 1 - EXP_BIAS) - MANT_BITS
+    spacing = ((spacing_exponent + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    steps = magnitude / spacing  # exact: a power of two
+    rounded = ((steps + ROUND_TO_INTEGER) - ROUND_TO_INTEGER) * spacing
+    rounded_bits = rounded.to(tl.uint32, bitcast=True)
+    rounded_exponent = ((rounded_bits >> 23) & 0xFF).to(tl.int32) - 127
+    normal_code = ((rounded_exponent + EXP_BIAS).to(tl.uint32) << MANT_BITS) | (
+        (rounded_bits >> (23 - MANT_BITS)) & ((1 << MANT_BITS) - 1))
+    # Below the smallest normal, the code is the count of subnormal steps (the smallest normal's
+    # code where rounding reached it).
+    subnormal_code = (rounded / spacing).to(tl.uint32)
+    is_normal = rounded_exponent >= 1 - EXP_BIAS
+    return (tl.where(is_normal, normal_code, subnormal_code) | sign).to(tl.uint8)
+
+
+@triton.jit
+def fp8_cast_kernel(
+    x_ptr, scale_ptr, out_ptr, inverse_ptr, n_cols, x_row_stride, out_row_stride,
+    LIMIT: tl.constexpr, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, SCALE: tl.constexpr,
+    POWER_OF_2: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Row ``program_id`` of ``x [M, K]`` (unit column stride) scaled and cast to FP8 bytes in
+    ``out [M, K]``. ``SCALE``: ``SCALE_ROW`` computes the row's scale, ``LIMIT / amax`` (in fp64,
+    then fp32, rounded down to a power of two with ``POWER_OF_2``) in a first pass over the row and
+    writes its inverse to ``inverse[row]``; ``SCALE_COLUMN`` reads one per column from ``scale [K]``;
+    ``SCALE_TENSOR`` one for every element from ``scale [1]``."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    out_row = out_ptr + row * out_row_stride
+    if SCALE == 0:
+        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        row_amax = tl.maximum(tl.max(amax, axis=0).to(tl.float64), AMAX_FLOOR)
+        row_scale = (LIMIT / row_amax).to(tl.float32)
+        if POWER_OF_2:  # the largest power of two not above it: its mantissa cleared
+            row_scale = (row_scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
+        tl.store(inverse_ptr + row, 1.0 / row_scale)
+    elif SCALE == 2:
+        row_scale = tl.load(scale_ptr)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALE == 1:
+            scaled = x * tl.load(scale_ptr + cols, mask=mask, other=1.0)
+        else:
+            scaled = x * row_scale
+        scaled = tl.minimum(tl.maximum(scaled, -LIMIT), LIMIT)
+        tl.store(out_row + cols, fp8_code(scaled, MANT_BITS, EXP_BIAS), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -81,27 +156,42 @@ def check_recipe(recipe: str | None, weight_shape: torch.Size) -> None:
         )
 
 
+FORMATS = {E4M3: (3, 7), E5M2: (2, 15)}  # mantissa bits, exponent bias
+
+
+def power_of_2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """The largest power of two not above each (positive, normal) fp32 ``scale``: its mantissa
+    cleared, exactly."""
+    return (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)
+
+
 def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool,
              rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t [M, K]`` → ``(t_fp8 [rows or M, K], inverse scale)``: one scale for the tensor
-    (``dim`` ``None``, a 0-d fp32 tensor), one per row (``dim = 1``: ``[M, 1]``) or one per column
-    (``dim = 0``: ``[1, K]``), each ``max(dtype) / amax`` of its slice. ``rows`` > M pads with zero
-    rows (their scale, per row, is 1)."""
+    """``t [M, K]`` (unit column stride) → ``(t_fp8 [rows or M, K], inverse scale)``: one scale for
+    the tensor (``dim`` ``None``, a 0-d fp32 tensor), one per row (``dim = 1``: ``[M, 1]``) or one
+    per column (``dim = 0``: ``[1, K]``), each ``max(dtype) / amax`` of its slice (computed in fp64,
+    floored to a power of two with ``power_of_2``), by :func:`fp8_cast_kernel` (a row's amax and
+    cast in one program). ``rows`` > M pads with zero rows (their scale, per row, is 1)."""
     limit = torch.finfo(dtype).max
-    # max |t| from its extremes: no [M, K] temporary of |t| or of an fp32 copy.
-    low, high = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=dim, keepdim=True)
-    amax = torch.maximum(high, -low).float()
-    scale = (limit / amax.double().clamp(min=AMAX_EPS)).float()
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
     n_rows = t.shape[0] if rows is None else rows
     out = t.new_empty((n_rows, t.shape[1]), dtype=dtype)
-    block = max(1, CAST_BLOCK_ELEMENTS // max(t.shape[1], 1))
-    for start in range(0, t.shape[0], block):
-        end = min(start + block, t.shape[0])
-        row_scale = scale[start:end] if dim == 1 else scale
-        out[start:end] = (t[start:end].float() * row_scale).clamp_(-limit, limit)
-    inverse = scale.reciprocal()
+    inverse = torch.empty((t.shape[0], 1), dtype=torch.float32, device=t.device)
+    scale = inverse
+    if dim != 1:
+        # max |t| from its extremes: no [M, K] temporary of |t| or of an fp32 copy.
+        low, high = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=0, keepdim=True)
+        scale = (limit / torch.maximum(high, -low).double().clamp(min=AMAX_EPS)).float()
+        if power_of_2:
+            scale = power_of_2_floor(scale)
+        inverse = scale.reciprocal()
+    mant_bits, exp_bias = FORMATS[dtype]
+    if t.shape[0] > 0:
+        launch(
+            fp8_cast_kernel, (t.shape[0],), t, scale, out.view(torch.uint8), inverse, t.shape[1], t.stride(0),
+            out.stride(0), LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias,
+            SCALE=SCALE_ROW if dim == 1 else SCALE_COLUMN if dim == 0 else SCALE_TENSOR, POWER_OF_2=power_of_2,
+            AMAX_FLOOR=AMAX_EPS, BLOCK_N=CAST_BLOCK_N, num_warps=CAST_WARPS,
+        )
     if n_rows > t.shape[0]:
         out[t.shape[0]:].zero_()
         if dim == 1:
