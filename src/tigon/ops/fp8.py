@@ -71,15 +71,17 @@ def fp8_code(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
     # The format's spacing at |y|: 2^(e - MANT_BITS) for normals, 2^(1 - bias - MANT_BITS) below.
     spacing_exponent = tl.maximum(exponent, 1 - EXP_BIAS) - MANT_BITS
     spacing = ((spacing_exponent + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-    steps = magnitude / spacing  # exact: a power of two
-    rounded = ((steps + ROUND_TO_INTEGER) - ROUND_TO_INTEGER) * spacing
+    # Multiplying by powers of two is exact (a division would be approximate on the GPU).
+    per_spacing = ((127 - spacing_exponent).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    rounded_steps = (magnitude * per_spacing + ROUND_TO_INTEGER) - ROUND_TO_INTEGER
+    rounded = rounded_steps * spacing
     rounded_bits = rounded.to(tl.uint32, bitcast=True)
     rounded_exponent = ((rounded_bits >> 23) & 0xFF).to(tl.int32) - 127
     normal_code = ((rounded_exponent + EXP_BIAS).to(tl.uint32) << MANT_BITS) | (
         (rounded_bits >> (23 - MANT_BITS)) & ((1 << MANT_BITS) - 1))
     # Below the smallest normal, the code is the count of subnormal steps (the smallest normal's
     # code where rounding reached it).
-    subnormal_code = (rounded / spacing).to(tl.uint32)
+    subnormal_code = rounded_steps.to(tl.uint32)
     is_normal = rounded_exponent >= 1 - EXP_BIAS
     return (tl.where(is_normal, normal_code, subnormal_code) | sign).to(tl.uint8)
 
@@ -108,7 +110,7 @@ def fp8_cast_kernel(
         row_scale = (LIMIT / row_amax).to(tl.float32)
         if POWER_OF_2:  # the largest power of two not above it: its mantissa cleared
             row_scale = (row_scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
-        tl.store(inverse_ptr + row, 1.0 / row_scale)
+        tl.store(inverse_ptr + row, tl.div_rn(1.0, row_scale))  # as PyTorch's reciprocal rounds
     elif SCALE == 2:
         row_scale = tl.load(scale_ptr)
     for start in range(0, n_cols, BLOCK_N):
