@@ -4,8 +4,8 @@ keeps its FP8 matmuls under tigon's fused loss.
 
 Each of a chunk's three matmuls, ``logits = x_c @ Wᵀ``, ``dx_c = dlogits @ W`` and
 ``dW += dlogitsᵀ @ x_c``, runs as ``torch._scaled_mm`` on FP8 operands with fp32 accumulation
-(no fast accumulation), its result in the weight's dtype (an fp32 one through bf16, as torchao); the softmax and its gradient stay fp32 in
-tigon's kernel, as in bf16. An operand is scaled by ``448 / amax`` (e4m3; 57344 for e5m2) over
+(no fast accumulation), its result in the weight's dtype (an fp32 one through bf16, as
+torchao); the softmax and its gradient stay fp32 in tigon's kernel, as in bf16. An operand is scaled by ``448 / amax`` (e4m3; 57344 for e5m2) over
 the whole tensor (tensorwise) or over each row or column along the matmul's inner dimension
 (axiswise), its scale computed in fp64, then rounded down to a power of two where the recipe says:
 
@@ -53,10 +53,10 @@ ALIGN = 16
 
 # A cast kernel's block of columns, and its warps.
 CAST_BLOCK_N, CAST_WARPS = 2048, 8
-# Where quantize's scale comes from in the cast kernel.
-SCALE_ROW, SCALE_COLUMN, SCALE_TENSOR = 0, 1, 2
+# Where quantize's scale comes from in the cast kernel (its SCALE).
+SCALE_ROW, SCALE_COLUMN, SCALE_TENSOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # Adding then subtracting 2^23 rounds an fp32 in [0, 2^22) to an integer, to nearest even.
-ROUND_TO_INTEGER = 8388608.0
+ROUND_TO_INTEGER = tl.constexpr(8388608.0)
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def fp8_cast_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     out_row = out_ptr + row * out_row_stride
-    if SCALE == 0:
+    if SCALE == SCALE_ROW:
         amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
@@ -111,13 +111,13 @@ def fp8_cast_kernel(
         if POWER_OF_2:  # the largest power of two not above it: its mantissa cleared
             row_scale = (row_scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
         tl.store(inverse_ptr + row, tl.div_rn(1.0, row_scale))  # as PyTorch's reciprocal rounds
-    elif SCALE == 2:
+    elif SCALE == SCALE_TENSOR:
         row_scale = tl.load(scale_ptr)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if SCALE == 1:
+        if SCALE == SCALE_COLUMN:
             scaled = x * tl.load(scale_ptr + cols, mask=mask, other=1.0)
         else:
             scaled = x * row_scale
@@ -187,11 +187,12 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: b
             scale = power_of_2_floor(scale)
         inverse = scale.reciprocal()
     mant_bits, exp_bias = FORMATS[dtype]
+    scale_from = SCALE_ROW if dim == 1 else SCALE_COLUMN if dim == 0 else SCALE_TENSOR
     if t.shape[0] > 0:
         launch(
             fp8_cast_kernel, (t.shape[0],), t, scale, out.view(torch.uint8), inverse, t.shape[1], t.stride(0),
             out.stride(0), LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias,
-            SCALE=SCALE_ROW if dim == 1 else SCALE_COLUMN if dim == 0 else SCALE_TENSOR, POWER_OF_2=power_of_2,
+            SCALE=scale_from.value, POWER_OF_2=power_of_2,
             AMAX_FLOOR=AMAX_EPS, BLOCK_N=CAST_BLOCK_N, num_warps=CAST_WARPS,
         )
     if n_rows > t.shape[0]:
