@@ -5,9 +5,10 @@ keeps its FP8 matmuls under tigon's fused loss.
 Each of a chunk's three matmuls, ``logits = x_c @ Wᵀ``, ``dx_c = dlogits @ W`` and
 ``dW += dlogitsᵀ @ x_c``, runs as ``torch._scaled_mm`` on FP8 operands with fp32 accumulation
 (no fast accumulation), its result in the weight's dtype (an fp32 one through bf16, as
-torchao); the softmax and its gradient stay fp32 in tigon's kernel, as in bf16. An operand is scaled by ``448 / amax`` (e4m3; 57344 for e5m2) over
-the whole tensor (tensorwise) or over each row or column along the matmul's inner dimension
-(axiswise), its scale computed in fp64, then rounded down to a power of two where the recipe says:
+torchao); the softmax and its gradient stay fp32 in tigon's kernel, as in bf16. An operand is
+scaled by ``448 / amax`` (e4m3; 57344 for e5m2) over the whole tensor (tensorwise) or over each
+row or column along the matmul's inner dimension (axiswise), its scale computed in fp64, then
+rounded down to a power of two where the recipe says:
 
 =====================  ====================  =========================  =====================
 recipe                 logits                dx = dlogits @ W           dW = dlogitsᵀ @ x
