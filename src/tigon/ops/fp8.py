@@ -259,20 +259,31 @@ class Fp8HeadMatmuls:
             else:
                 weight_fp8, inverse = self.weight_fp8, self.weight_inverse
             self.weight_for_grad_input = (column_major(weight_fp8), inverse)
+        # Tensorwise, a chunk's x and dlogits are cast once for both of the matmuls that take them
+        # (padded for dW): (the tensor, its cast), kept until the chunk's weight gradient.
+        self.cast_x = self.cast_grad = None
+
+    def _cast(self, t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``t`` cast for a matmul (:func:`quantize`); tensorwise, padded to aligned rows."""
+        rows = None if self.recipe.axiswise else _aligned(t.shape[0])
+        return quantize(t, dtype, dim, self.recipe.power_of_2_scales, rows)
 
     def logits(self, x_chunk: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
         """``out [C, V] = x_chunk @ Wᵀ (+ bias)``."""
-        x_fp8, x_inverse = quantize(x_chunk, E4M3, 1 if self.recipe.axiswise else None, self.recipe.power_of_2_scales)
-        scaled_mm(x_fp8, self.weight_fp8.t(), x_inverse, self.weight_inverse, out.dtype, out)
+        x_fp8, x_inverse = self._cast(x_chunk, E4M3, 1 if self.recipe.axiswise else None)
+        if not self.recipe.axiswise:
+            self.cast_x = (x_chunk, x_fp8, x_inverse)
+        scaled_mm(x_fp8[: x_chunk.shape[0]], self.weight_fp8.t(), x_inverse, self.weight_inverse, out.dtype, out)
         if bias is not None:
             out.add_(bias)
 
     def grad_input(self, dlogits: torch.Tensor, out: torch.Tensor | None, alpha: float) -> torch.Tensor:
         """``dlogits [C, V] @ W`` times ``alpha``, into ``out [C, H]`` (a new tensor when ``None``)."""
-        grad_fp8, grad_inverse = quantize(dlogits, self.recipe.grad_dtype, 1 if self.recipe.axiswise else None,
-                                          self.recipe.power_of_2_scales)
+        grad_fp8, grad_inverse = self._cast(dlogits, self.recipe.grad_dtype, 1 if self.recipe.axiswise else None)
+        if not self.recipe.axiswise:
+            self.cast_grad = (dlogits, grad_fp8, grad_inverse)
         weight_fp8, weight_inverse = self.weight_for_grad_input
-        result = scaled_mm(grad_fp8, weight_fp8, grad_inverse, weight_inverse, self.dtype, out)
+        result = scaled_mm(grad_fp8[: dlogits.shape[0]], weight_fp8, grad_inverse, weight_inverse, self.dtype, out)
         if alpha != 1.0:
             result.mul_(alpha)
         return result
@@ -286,8 +297,15 @@ class Fp8HeadMatmuls:
         rows = _aligned(dlogits.shape[0])
         dim = 0 if self.recipe.axiswise else None
         pow2 = self.recipe.power_of_2_scales
-        grad_fp8, grad_inverse = quantize(dlogits, self.recipe.grad_dtype, dim, pow2, rows)
-        x_fp8, x_inverse = quantize(x_chunk, E4M3, dim, pow2, rows)
+        cast_grad, cast_x, self.cast_grad, self.cast_x = self.cast_grad, self.cast_x, None, None
+        if cast_grad is not None and cast_grad[0] is dlogits:
+            grad_fp8, grad_inverse = cast_grad[1:]
+        else:
+            grad_fp8, grad_inverse = quantize(dlogits, self.recipe.grad_dtype, dim, pow2, rows)
+        if cast_x is not None and cast_x[0] is x_chunk:
+            x_fp8, x_inverse = cast_x[1:]
+        else:
+            x_fp8, x_inverse = quantize(x_chunk, E4M3, dim, pow2, rows)
         # dlogitsᵀ [V, C] row-major and x [C, H] column-major; per-column scales become per-row of dlogitsᵀ.
         partial = scaled_mm(
             grad_fp8.t().contiguous(), column_major(x_fp8),

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tigon.ops._launch import host_sync_allowed
+from tigon.ops.fp8 import Fp8HeadMatmuls
 from tigon.ops.cross_entropy import mean_grad_scale
 
 # Logits memory per chunk by default, for vocabularies up to DEFAULT_CHUNK_VOCAB and in proportion
@@ -162,11 +163,7 @@ class HeadMatmuls:
 def head_matmuls(weight: torch.Tensor, fp8: str | None, grad_input_needed: bool = True):
     """The chunk loop's matmuls over ``weight``: in FP8 by the recipe ``fp8`` (see
     :mod:`tigon.ops.fp8`), else in the weight's dtype."""
-    if fp8 is None:
-        return HeadMatmuls(weight)
-    from tigon.ops.fp8 import Fp8HeadMatmuls
-
-    return Fp8HeadMatmuls(weight, fp8, grad_input_needed)
+    return HeadMatmuls(weight) if fp8 is None else Fp8HeadMatmuls(weight, fp8, grad_input_needed)
 
 
 def fused_linear_chunks(
