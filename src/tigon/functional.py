@@ -939,8 +939,9 @@ def fused_linear_cross_entropy(
     ``(Shard(0),)`` on a 1-D device mesh (``bias`` ``None`` or placed alike), or a plain shard with
     ``process_group``; shards may be uneven (DTensor's 51 and 50 rows of V = 101 over two ranks),
     even empty. ``input`` and ``target`` hold the same tokens on every rank (plain tensors, or
-    DTensors placed ``Replicate()``). Each rank computes its slice's logits chunk by chunk, and one
-    all-gather of a few statistics per token and chunk combines the slices
+    DTensors placed ``Replicate()``). Each rank computes its slice's logits chunk by chunk (as many
+    rows per chunk as one process over the whole head, so each rank holds ``1 / TP`` of its
+    logits memory), and one all-gather of a few statistics per token and chunk combines the slices
     (:mod:`tigon.ops.vocab_parallel`): no rank holds all the logits or the whole weight, and every
     rank gets the whole loss, equal to one process's. The gradients of ``weight`` and ``bias`` are each rank's slice (a DTensor's placed as
     it); a plain ``input``'s is all-reduced to the whole gradient, a DTensor ``input``'s is placed

@@ -580,8 +580,10 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         n_sequences, seq_len = target.shape
         x2d, target_rows = as_rows(input), target.reshape(-1)
         n_rows = target_rows.numel()
-        vocab_rows = weight.shape[0] if shard is None else shard.max_shard
-        chunk_rows = chunk_rows_for(n_rows, vocab_rows, x2d.element_size(), chunk_memory_bytes)
+        if shard is None:
+            chunk_rows = chunk_rows_for(n_rows, weight.shape[0], x2d.element_size(), chunk_memory_bytes)
+        else:
+            chunk_rows = shard.chunk_rows(n_rows, x2d.element_size(), chunk_memory_bytes)
         two_pass = not split_sequences and seq_len > chunk_rows
         if not (split_sequences or two_pass):
             chunk_rows -= chunk_rows % max(seq_len, 1)

@@ -287,15 +287,19 @@ class VocabShard:
     """This rank's slice ``[vocab_start, vocab_start + V_r)`` of a vocabulary of ``vocab_size``
     sharded over ``group``, and what a loss does with it: the whole vocabulary's statistics of a
     chunk's rows (:meth:`stats`), the slice's gradient (:meth:`grad`), the input's gradient
-    reduced (:meth:`finish_grad_input`). ``max_shard`` is the largest slice (the chunks' size is
-    set by it, the same on every rank). ``reduce_grad_input``: all-reduce the input's gradient
+    reduced (:meth:`finish_grad_input`). ``reduce_grad_input``: all-reduce the input's gradient
     (else it is left as this rank's partial sum)."""
 
     group: dist.ProcessGroup
     vocab_start: int
     vocab_size: int
-    max_shard: int
     reduce_grad_input: bool
+
+    def chunk_rows(self, n_rows: int, element_size: int, chunk_memory_bytes: int | None) -> int:
+        """Rows per chunk: those of one process over the whole vocabulary (``chunk_memory_bytes``
+        bounds a chunk's logits over all ``V`` columns), so that each rank's buffer of its slice
+        holds ``1 / TP`` of them; the same count on every rank."""
+        return chunk_rows_for(n_rows, self.vocab_size, element_size, chunk_memory_bytes)
 
     def valid_rows(self, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         """Which rows have a target: the kernels' rule, over the whole vocabulary."""
@@ -357,7 +361,7 @@ def vocab_shard(weight: torch.Tensor, n_rows: int, group: dist.ProcessGroup, red
             f"input must hold the same tokens on every rank of the vocabulary-parallel group; got {rows} rows"
         )
     rank = dist.get_rank(group)
-    return VocabShard(group, sum(sizes[:rank]), sum(sizes), max(sizes), reduce_grad_input)
+    return VocabShard(group, sum(sizes[:rank]), sum(sizes), reduce_grad_input)
 
 
 def _grads_or_none(grads, needs, input_shape):
@@ -396,7 +400,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
                 lse_square_scale, softcap, return_z_loss, chunk_memory_bytes, needs):
         x2d, target = as_rows(input), target.reshape(-1)
         n_rows = x2d.shape[0]
-        chunk_rows = chunk_rows_for(n_rows, shard.max_shard, x2d.element_size(), chunk_memory_bytes)
+        chunk_rows = shard.chunk_rows(n_rows, x2d.element_size(), chunk_memory_bytes)
         n_valid = count_valid(target, shard.vocab_size, ignore_index) if reduction == "mean" else None
         in_forward = reduction != "none"
         grad_input, grad_weight, grad_bias = new_grads(x2d, weight, *(n and in_forward for n in needs))
@@ -501,7 +505,7 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
                 stored, chunk_memory_bytes, needs, grad_in_forward, backward_context):
         x2d, target = as_rows(input), target.reshape(-1)
         n_rows = x2d.shape[0]
-        chunk_rows = chunk_rows_for(n_rows, shard.max_shard, x2d.element_size(), chunk_memory_bytes)
+        chunk_rows = shard.chunk_rows(n_rows, x2d.element_size(), chunk_memory_bytes)
         grad_in_forward = grad_in_forward and any(needs) and n_rows > chunk_rows
         grads = new_grads(x2d, weight, *(n and grad_in_forward for n in needs))
         fields = [x2d.new_empty(n_rows if wanted else 0, dtype=torch.float32) for wanted in (True, True, *stored[:3])]
