@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, layers, patching
+from tigon.transformers import FAMILIES, PATCHERS, apply_tigon, patching
 from tiny_family_models import TINY_FAMILIES, tiny_family_batch, tiny_family_config, tiny_family_model
 from tiny_models import TINY, Run, replay, tiny_config, tiny_model, train
 from utils import (
