@@ -134,6 +134,8 @@ def test_sizes_default_per_loop_and_model():
     assert job_args(args, Job("train", "llama", "hf")).max_search == 65536
     assert job_args(args, Job("train", "gpt_oss", "hf")).max_search == 0
     assert job_args(args, Job("train", "llama", "hf", gpus=2)).max_search == 0
+    _, compiled = parse_args(["--compile"])
+    assert job_args(compiled, Job("train", "llama", "hf")).max_search == 0
 
 
 @pytest.mark.parametrize(
@@ -151,6 +153,8 @@ def test_sizes_default_per_loop_and_model():
         (["--setups", "hf", "tigon_fp8"], "the tigon_fp8 setup(s) train in FP8: they need --fp8 RECIPE"),
         (["--fp8", "rowwise", "--lora"], "--fp8 and --lora do not combine (yet)"),
         (["--fp8", "rowwise", "--gpus", "2"], "--fp8 and --gpus above 1 do not combine (yet)"),
+        (["--compile", "--cuda-graph"], "--compile and --cuda-graph do not combine"),
+        (["--smoke", "--compile"], "--compile measure(s) a GPU: not with --smoke"),
     ],
 )
 def test_combinations_are_refused_by_name(argv, message, capsys):

@@ -90,35 +90,52 @@ def test_one_chunk_loss_equals_the_fp8_reference(recipe):
     assert abs(ours.item() - theirs.item()) <= LOSS_TOLERANCE * abs(theirs.item())
 
 
-def test_quantize_scales_and_pads():
+def test_cast_scales_and_pads():
     t = torch.tensor([[1.0, -2.0], [0.5, 0.25], [0.0, 0.0]], device=DEVICE)
-    q, inverse = fp8.quantize(t, fp8.E4M3, 1, power_of_2=False, rows=16)
-    assert q.shape == (16, 2) and inverse.shape == (16, 1)
-    torch.testing.assert_close((q[:3].float() * inverse[:3]), t)  # these values are exact in e4m3
-    assert not q[3:].float().any() and (inverse[3:] == 1).all()
+    (q, inverse), (q_t, inverse_t) = fp8.cast(t, fp8.E4M3, "axiswise", "tensorwise", power_of_2=False)
+    assert q.shape == (3, 2) and inverse.shape == (3, 1) and q_t.shape == (2, 16) and inverse_t.shape == ()
+    torch.testing.assert_close(q.float() * inverse, t)  # these values are exact in e4m3
+    torch.testing.assert_close(q_t[:, :3].float() * inverse_t, t.t())
+    assert not q_t[:, 3:].float().any()
     assert inverse[0].item() == pytest.approx(2.0 / 448) and inverse[2].item() == pytest.approx(fp8.AMAX_EPS / 448)
-    _, inverse = fp8.quantize(t, fp8.E4M3, None, power_of_2=True)
-    assert inverse.item() == 2.0 ** -7  # 448 / 2 = 224, rounded down to 128
+    (_, inverse), none = fp8.cast(t, fp8.E4M3, "tensorwise", None, power_of_2=True)
+    assert inverse.item() == 2.0 ** -7 and none is None  # 448 / 2 = 224, rounded down to 128
+    none, (_, inverse_t) = fp8.cast(t, fp8.E4M3, None, "axiswise", power_of_2=True)
+    assert none is None and inverse_t.reshape(-1).tolist() == [2.0 ** -8, 2.0 ** -7]
 
 
-@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dim", [None, 0, 1], ids=["tensor", "column", "row"])
-@pytest.mark.parametrize("power_of_2", [False, True], ids=["exact_scale", "pow2_scale"])
-def test_the_cast_kernel_rounds_as_pytorch_does(dtype, dim, power_of_2):
-    # Rows from 1e-6 to 1e3: per-tensor and per-column scales put the small ones among the
-    # subnormals; ties (42 → 40 in e4m3, to even) and zeros of both signs included.
-    t = (torch.randn(37, 300, device=DEVICE) * torch.logspace(-6, 3, 37, device=DEVICE).unsqueeze(1)).bfloat16()
-    t[0, :5] = torch.tensor([42.0, 31.6875, -42.0, 0.0, -0.0])
-    t[1] = 0
-    q, inverse = fp8.quantize(t, dtype, dim, power_of_2)
+def _torch_cast(t, dtype, dim, power_of_2):
+    """``t`` cast by PyTorch, scaled over ``dim`` (``None``: the tensor), and the inverse scales."""
     limit = torch.finfo(dtype).max
     low, high = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=dim, keepdim=True)
     scale = (limit / torch.maximum(high, -low).double().clamp(min=fp8.AMAX_EPS)).float()
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))  # torchao's rounding of the scales
-    expected = (t.float() * scale).clamp(-limit, limit).to(dtype)
-    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
-    assert torch.equal(inverse.reshape(scale.shape), scale.reciprocal())
+    return (t.float() * scale).clamp(-limit, limit).to(dtype), scale.reciprocal()
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("rows, columns", [("axiswise", "axiswise"), ("tensorwise", "tensorwise"),
+                                           ("axiswise", None), (None, "tensorwise")])
+@pytest.mark.parametrize("power_of_2", [False, True], ids=["exact_scale", "pow2_scale"])
+def test_the_cast_kernels_round_as_pytorch_does(dtype, rows, columns, power_of_2):
+    # Rows from 1e-6 to 1e3: per-tensor and per-column scales put the small ones among the
+    # subnormals; ties (42 → 40 in e4m3, to even) and zeros of both signs included. 37 rows and
+    # 300 columns: partial tiles both ways, and 11 zero columns of padding in the transposed copy.
+    t = (torch.randn(37, 300, device=DEVICE) * torch.logspace(-6, 3, 37, device=DEVICE).unsqueeze(1)).bfloat16()
+    t[0, :5] = torch.tensor([42.0, 31.6875, -42.0, 0.0, -0.0])
+    t[1] = 0
+    row_major, transposed = fp8.cast(t, dtype, rows, columns, power_of_2)
+    if rows is not None:
+        expected, inverse = _torch_cast(t, dtype, 1 if rows == "axiswise" else None, power_of_2)
+        assert torch.equal(row_major[0].view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(row_major[1], inverse.reshape(row_major[1].shape))
+    if columns is not None:
+        expected, inverse = _torch_cast(t, dtype, 0 if columns == "axiswise" else None, power_of_2)
+        q_t, inverse_t = transposed
+        assert q_t.shape == (300, 48) and not q_t[:, 37:].view(torch.uint8).any()
+        assert torch.equal(q_t[:, :37].view(torch.uint8), expected.t().view(torch.uint8))
+        assert torch.equal(inverse_t, inverse.reshape(inverse_t.shape))
 
 
 def test_bad_fp8_arguments_are_refused():

@@ -49,7 +49,10 @@ its own batch; reported per GPU: tokens/s (the mean over GPUs) and peak memory (
 torchao's ``convert_to_float8_training`` with the recipe: ``tensorwise``, ``rowwise`` or
 ``rowwise_with_gw_hp``), ``tigon`` and ``tigon_fp8`` (tigon's model converted the same way, its
 fused loss in FP8 by the head's recipe: docs/integrations/fp8.md), each converted after it is
-built, every linear whose dimensions divide by 16 (lm_head included).
+built, every linear whose dimensions divide by 16 (lm_head included). torchao's casts are fused
+only by the compiler (in eager mode each is a few passes over the tensor: Hugging Face + torchao
+trains at 0.57× Hugging Face on the H100), so FP8 is compared with ``--compile``: every setup's
+decoder layers compiled, as torchtitan trains FP8.
 
 ``--trl sft grpo`` trains under TRL instead (:mod:`tigon.bench.e2e_trl`): ``SFTTrainer`` with TRL's
 fused LM head, and GRPO's policy log-probs, forward + backward; its setups patch the built model
@@ -62,15 +65,15 @@ interpreter where there is no GPU; one process per setup runs every model and lo
 dominate), FSDP2 runs on gloo. No memory is measured on the CPU and the timings mean nothing; the
 losses of tigon and Hugging Face agree to ~1e-6.
 
-Writes ``e2e_<model>[_trl_<loop>][_lora|_qlora][_aux_loss][_budget_<b>][_b<B>x<T>][_graph][_fp8_<recipe>][_fsdp2].json``
+Writes ``e2e_<model>[_trl_<loop>][_lora|_qlora][_aux_loss][_budget_<b>][_b<B>x<T>][_graph][_compiled][_fp8_<recipe>][_fsdp2].json``
 and ``.png`` per model and loop into ``--out`` (default: ``tigon-out/bench-<gpu>`` of the working
 directory, ``tigon-out/bench-smoke`` for smoke runs), rewritten after every process, so a run cut
 short keeps what it measured. Results committed to the repository go to
 ``--out benchmarks/results/<gpu>``.
 
     tigon bench e2e [--model llama llama_1b qwen3_moe qwen2_5_vl deepseek_v3 gpt_oss] [--setups hf liger tigon]
-        [--trl sft grpo] [--gpus N ...] [--lora | --qlora] [--budget hf | GiB] [--cuda-graph] [--fp8 RECIPE] [--layers L]
-        [--batch 4] [--seq-len 4096] [--warmup W] [--steps S] [--smoke] [--out DIR] ...
+        [--trl sft grpo] [--gpus N ...] [--lora | --qlora] [--budget hf | GiB] [--cuda-graph] [--compile]
+        [--fp8 RECIPE] [--layers L] [--batch 4] [--seq-len 4096] [--warmup W] [--steps S] [--smoke] [--out DIR] ...
     (python -m tigon.bench.e2e takes the same arguments)
 
 On the GPU machine, peers travel as wheels (``carry: [".whl"]``; liger-kernel 0.8.5, and for
@@ -328,6 +331,9 @@ def run_train(args, job: Job, device: str) -> dict:
         model = quantize_4bit(model)
     if lora:
         model = with_lora(model)
+    if args.compile:
+        for layer in decoder_layers(model):
+            layer.compile()
     if sharded:
         shard(model)
         if device == "cuda":
@@ -371,6 +377,7 @@ def run_train(args, job: Job, device: str) -> dict:
     result["lora"] = "QLoRA" if lora and args.qlora else "LoRA" if lora else None
     result["optimizer"] = f"AdamW ({args.optimizer})"
     result["cuda_graph"] = args.cuda_graph
+    result["compiled"] = args.compile
     if result["experts"] and MODELS[job.model].router_aux_loss:
         result["router_aux_loss"] = args.router_aux_loss
     return result
@@ -385,8 +392,8 @@ def job_args(args, job: Job) -> argparse.Namespace:
     defaults = {**SIZES, **STEPS[job.loop], "layers": spec.layers, "max_search": spec.max_search}
     if args.smoke:
         defaults.update(SMOKE)
-    if args.budget is not None or args.cuda_graph or job.gpus > 1 or job.loop != "train":
-        # Probed with eager steps; the search trains eagerly on other shapes; one GPU's memory.
+    if args.budget is not None or args.cuda_graph or args.compile or job.gpus > 1 or job.loop != "train":
+        # Probed with eager steps; the search trains eagerly (or recompiles) on other shapes; one GPU's memory.
         defaults["max_search"] = 0
     resolved = argparse.Namespace(**vars(args))
     for name, value in defaults.items():
@@ -571,6 +578,7 @@ def plot(record: dict, path: Path) -> None:
             labels[i] += f"\nrecomputes {r['checkpointing']['layers_recomputed']}/{r['layers']} layers"
     first = next(r for r in results if "error" not in r)
     graphed = ", one CUDA graph per step" if first.get("cuda_graph") else ""
+    graphed += ", decoder layers compiled" if first.get("compiled") else ""
     per_gpu = " per GPU" if any(r["gpus"] > 1 for r in results) else ""
     panels = [("tokens_per_second", f"tokens/s{per_gpu} (batch {first['batch']} × {first['seq_len']}{graphed})")]
     if any(r.get("peak_memory_gib") for r in results):  # none on the CPU
@@ -628,6 +636,8 @@ def file_stem(args, model: str, loop: str) -> str:
         name += f"_b{batch}x{seq_len}"
     if args.cuda_graph:
         name += "_graph"
+    if args.compile:
+        name += "_compiled"
     if args.fp8:
         name += f"_fp8_{args.fp8}"
     if any(gpus > 1 for gpus in args.gpus):
@@ -684,6 +694,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Names
                       "tigon_fp8")
     what.add_argument("--cuda-graph", action="store_true",
                       help="capture each setup's whole training step as one CUDA graph and replay it")
+    what.add_argument("--compile", action="store_true",
+                      help="torch.compile each decoder layer of every setup (torchao's float8 casts are fused only "
+                      "so: compare FP8 with it)")
     what.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                       help="PyTorch's AdamW implementation (default: fused; the TRL loops use the trainer's fused one)")
     what.add_argument("--attn", help="attn_implementation of every model (default: sdpa; flex_attention for "
@@ -726,6 +739,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     """The combinations that cannot run, refused by name."""
     lora = args.lora or args.qlora
     gpu_only = [name for name, given in (("--budget", args.budget is not None), ("--cuda-graph", args.cuda_graph),
+                                         ("--compile", args.compile),
                                          ("--qlora", args.qlora), ("--memory-profile", args.memory_profile)) if given]
     if args.budget is not None:
         if args.budget != "hf" and not _positive_number(args.budget):
@@ -734,6 +748,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error("--budget hf needs the hf setup (--setups hf ...)")
         if lora:
             parser.error("--budget trains full fine-tuning only")
+    for option, given in (("--cuda-graph", args.cuda_graph), ("--budget", args.budget is not None),
+                          ("--trl", bool(args.trl))):
+        if args.compile and given:
+            parser.error(f"--compile and {option} do not combine")
     if args.cuda_graph and lora:
         parser.error("--cuda-graph trains full fine-tuning only")
     if args.cuda_graph and args.budget is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tigon.testing import reference
-from tigon.bench.specs import OPS
+from tigon.bench.specs import FP8_OPS, OPS
 
 OpTable = dict[str, Callable[[dict[str, Any]], Any]]
 # Losses whose gradients tigon and Liger compute during forward.
@@ -85,7 +85,7 @@ def _tigon_losses() -> OpTable:
 
 
 def _torch() -> OpTable:
-    return _standard_table(reference)
+    return {name: call for name, call in _standard_table(reference).items() if name not in FP8_OPS}
 
 
 def _torch_compile() -> OpTable:
@@ -94,7 +94,7 @@ def _torch_compile() -> OpTable:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return {
         name: functools.partial(torch.compile(spec.call, dynamic=False), reference)
-        for name, spec in OPS.items()
+        for name, spec in OPS.items() if name not in FP8_OPS
     }
 
 
@@ -207,28 +207,36 @@ def _cut_cross_entropy() -> OpTable:
     return {"fused_linear_cross_entropy": lambda a: linear_cross_entropy(a["input"], a["weight"], a["target"])}
 
 
-def _torchao() -> OpTable:
-    """torchao's float8 training as a user of it computes the loss: the head a ``Float8Linear``
-    (rowwise recipe) giving the whole bf16 logits, then PyTorch's cross entropy over them in fp32."""
+def _torchao(compiled: bool = False) -> OpTable:
+    """torchao's float8 training as a user of it computes the loss: the head a ``Float8Linear`` (of
+    the op's recipe) giving the whole bf16 logits, then PyTorch's cross entropy over them in fp32;
+    ``compiled``: that under ``torch.compile``, which fuses torchao's casts (as torchtitan runs it)."""
     import torch.nn.functional as F
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    config = Float8LinearConfig.from_recipe_name("rowwise")
-    heads: dict[int, Float8Linear] = {}
+    heads: dict[tuple[int, str], Float8Linear] = {}
 
-    def head(weight: torch.Tensor) -> Float8Linear:
+    def head(weight: torch.Tensor, recipe: str) -> Float8Linear:
         # One module per weight, made once: its Parameter shares the case's weight storage.
-        if id(weight) not in heads:
+        if (id(weight), recipe) not in heads:
             linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
-            heads[id(weight)] = Float8Linear.from_float(linear, config=config)
-        return heads[id(weight)]
+            config = Float8LinearConfig.from_recipe_name(recipe)
+            heads[id(weight), recipe] = Float8Linear.from_float(linear, config=config)
+        return heads[id(weight), recipe]
 
-    return {
-        "fused_linear_cross_entropy_fp8": lambda a: F.cross_entropy(
-            head(a["weight"])(a["input"]).float(), a["target"]),
-    }
+    def head_loss(linear: Float8Linear, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(linear(x).float(), target)
+
+    if compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        head_loss = torch.compile(head_loss, dynamic=False)
+
+    def loss(recipe: str):
+        return lambda a: head_loss(head(a["weight"], recipe), a["input"], a["target"])
+
+    return {name: loss(recipe) for name, recipe in FP8_OPS.items()}
 
 
 def _quack() -> OpTable:
@@ -248,7 +256,7 @@ PROVIDERS: dict[str, Provider] = {
         Provider(
             "tigon", _tigon,
             grads_in_forward=frozenset({
-                "cross_entropy", "fused_linear_cross_entropy", "fused_linear_cross_entropy_fp8", "fused_linear_logprobs",
+                "cross_entropy", "fused_linear_cross_entropy", *FP8_OPS, "fused_linear_logprobs",
                 "fused_linear_logprobs_sft", *LOSSES,
             }),
         ),
@@ -266,6 +274,8 @@ PROVIDERS: dict[str, Provider] = {
         Provider("cce", _cut_cross_entropy, distribution="cut-cross-entropy", needs_gpu=True),
         Provider("quack", _quack, distribution="quack-kernels", needs_gpu=True),
         Provider("torchao", _torchao, distribution="torchao"),
+        Provider("torchao.compile", functools.partial(_torchao, compiled=True), distribution="torchao",
+                 in_smoke_run=False),
     )
 }
 

@@ -381,6 +381,11 @@ NORM_SWEEP = Sweep("H", (1024, 2048, 4096, 8192, 16384), 4096, {"rows": 16384})
 NORM_SMOKE = Sweep("H", (96, 256), 256, {"rows": 48})
 
 
+# The FP8 losses, and the recipe of each. Their PyTorch reference (tigon.testing.reference) is an
+# oracle on fake-quantized operands in fp32, not a way to train: it is not timed as a peer (the
+# peers are torchao's Float8Linear head, eager and compiled).
+FP8_OPS = {"fused_linear_cross_entropy_fp8": "rowwise", "fused_linear_cross_entropy_fp8_tensorwise": "tensorwise"}
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
@@ -516,16 +521,21 @@ OPS: dict[str, OpSpec] = {
             work=_fused_linear_flops,
             unit=FLOPS,
         ),
-        # The same loss with the head's matmuls in FP8 (torchao's rowwise recipe): the work is the
-        # same FLOPs, at the FP8 tensor cores' rate; against tigon's bf16 loss above in one run.
-        OpSpec(
-            "fused_linear_cross_entropy_fp8", "x [{rows}, {H}], W [{V}, {H}], rowwise FP8",
-            sweep=Sweep("V", VOCAB_SIZES, 128256, {"rows": 8192, "H": 4096}),
-            smoke=Sweep("V", (496, 1008), 1008, {"rows": 32, "H": 64}),
-            build=_fused_linear_case,
-            call=lambda f, a: f.fused_linear_cross_entropy(a["input"], a["weight"], a["target"], fp8="rowwise"),
-            work=_fused_linear_flops,
-            unit=FLOPS,
+        # The same loss with the head's matmuls in FP8, by torchao's rowwise and tensorwise recipes:
+        # the work is the same FLOPs, at the FP8 tensor cores' rate; against tigon's bf16 loss above
+        # in one run.
+        *(
+            OpSpec(
+                name, f"x [{{rows}}, {{H}}], W [{{V}}, {{H}}], {recipe} FP8",
+                sweep=Sweep("V", VOCAB_SIZES, 128256, {"rows": 8192, "H": 4096}),
+                smoke=Sweep("V", (496, 1008), 1008, {"rows": 32, "H": 64}),
+                build=_fused_linear_case,
+                call=lambda f, a, recipe=recipe: f.fused_linear_cross_entropy(
+                    a["input"], a["weight"], a["target"], fp8=recipe),
+                work=_fused_linear_flops,
+                unit=FLOPS,
+            )
+            for name, recipe in FP8_OPS.items()
         ),
         # A LoRA linear layer (PEFT's lora.Linear: frozen bf16 base, fp32 adapters r 16) at the
         # projections of Llama-3-8B: k/v (1024), q/o (4096), gate/up (14336), 16384 tokens.

@@ -26,9 +26,12 @@ column-major for ``dx``) are made once per call: ``V·H`` bytes each.
 
 ``torch._scaled_mm`` needs the inner and output dimensions to divide by 16 on the GPU: ``H`` and
 ``V`` must (torchao converts only such linears), and a chunk's rows, the inner dimension of
-``dW``, are padded with zero rows to a multiple of 16. Each operand is cast by one kernel
-(:func:`fp8_cast_kernel`: a row's amax and cast in one program for per-row scales; per-column and
-per-tensor scales from PyTorch's ``aminmax``), rounding to nearest even as ``.to(float8)`` does.
+``dW``, are padded with zeros to a multiple of 16. Its operands must have the inner dimension
+contiguous, so ``dW``'s take ``x`` and ``dlogits`` transposed. Each tensor is cast once for both
+matmuls that take it (:func:`cast`): one kernel finds the largest magnitudes of its rows, columns
+or whole (:func:`fp8_amax_kernel`), a second (:func:`fp8_cast_kernel`) reads it again and writes
+its row-major and transposed FP8 copies, each with its own scales, rounding to nearest even as
+``.to(float8)`` does.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ AMAX_EPS = 1e-12
 ALIGN = 16
 
 
-# A cast kernel's block of columns, and its warps.
-CAST_BLOCK_N, CAST_WARPS = 2048, 8
-# Where quantize's scale comes from in the cast kernel (its SCALE).
-SCALE_ROW, SCALE_COLUMN, SCALE_TENSOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# The cast kernels' tile of rows and columns, and their warps.
+CAST_BLOCK_M, CAST_BLOCK_K, CAST_WARPS = 64, 128, 8
+# How a copy made by fp8_cast_kernel is scaled (its ROW_SCALE and COLUMN_SCALE): not made, one
+# scale per row (or column) of the input, one for the whole input.
+NO_COPY, PER_SLICE, PER_TENSOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # Adding then subtracting 2^23 rounds an fp32 in [0, 2^22) to an integer, to nearest even.
 ROUND_TO_INTEGER = tl.constexpr(8388608.0)
 
@@ -88,42 +92,62 @@ def fp8_code(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
 
 
 @triton.jit
-def fp8_cast_kernel(
-    x_ptr, scale_ptr, out_ptr, inverse_ptr, n_cols, x_row_stride, out_row_stride,
-    LIMIT: tl.constexpr, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, SCALE: tl.constexpr,
-    POWER_OF_2: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK_N: tl.constexpr,
+def fp8_amax_kernel(
+    x_ptr, row_amax_ptr, column_amax_ptr, tensor_amax_ptr, n_rows, n_cols, x_row_stride,
+    ROWS: tl.constexpr, COLUMNS: tl.constexpr, TENSOR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """Row ``program_id`` of ``x [M, K]`` (unit column stride) scaled and cast to FP8 bytes in
-    ``out [M, K]``. ``SCALE``: ``SCALE_ROW`` computes the row's scale, ``LIMIT / amax`` (in fp64,
-    then fp32, rounded down to a power of two with ``POWER_OF_2``) in a first pass over the row and
-    writes its inverse to ``inverse[row]``; ``SCALE_COLUMN`` reads one per column from ``scale [K]``;
-    ``SCALE_TENSOR`` one for every element from ``scale [1]``."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    out_row = out_ptr + row * out_row_stride
-    if SCALE == SCALE_ROW:
-        amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        row_amax = tl.maximum(tl.max(amax, axis=0).to(tl.float64), AMAX_FLOOR)
-        row_scale = (LIMIT / row_amax).to(tl.float32)
-        if POWER_OF_2:  # the largest power of two not above it: its mantissa cleared
-            row_scale = (row_scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
-        tl.store(inverse_ptr + row, tl.div_rn(1.0, row_scale))  # as PyTorch's reciprocal rounds
-    elif SCALE == SCALE_TENSOR:
-        row_scale = tl.load(scale_ptr)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if SCALE == SCALE_COLUMN:
-            scaled = x * tl.load(scale_ptr + cols, mask=mask, other=1.0)
+    """The largest ``|x|`` over tile ``(program_id(0), program_id(1))`` of ``x [M, K]`` (unit
+    column stride), folded by atomic maxima into the zero-initialised fp32 ``row_amax [M]``
+    (``ROWS``), ``column_amax [K]`` (``COLUMNS``) and ``tensor_amax [1]`` (``TENSOR``)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    magnitude = tl.abs(x.to(tl.float32))
+    if ROWS:
+        tl.atomic_max(row_amax_ptr + rows, tl.max(magnitude, axis=1), mask=row_mask)
+    if COLUMNS:
+        tl.atomic_max(column_amax_ptr + cols, tl.max(magnitude, axis=0), mask=col_mask)
+    if TENSOR:
+        tl.atomic_max(tensor_amax_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
+
+
+@triton.jit
+def fp8_cast_kernel(
+    x_ptr, row_scale_ptr, column_scale_ptr, out_ptr, out_t_ptr, n_rows, n_cols, padded_rows,
+    x_row_stride, out_row_stride, out_t_row_stride,
+    ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr, LIMIT: tl.constexpr, MANT_BITS: tl.constexpr,
+    EXP_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Tile ``(program_id(0), program_id(1))`` of ``x [M, K]`` (unit column stride) scaled and cast
+    to FP8 bytes, read once for two copies. Unless ``ROW_SCALE`` is ``NO_COPY``: ``out [M, K]``,
+    scaled by ``row_scale [M]`` (``PER_SLICE``) or ``row_scale [1]`` (``PER_TENSOR``). Unless
+    ``COLUMN_SCALE`` is ``NO_COPY``: ``out_t [K, padded_rows]``, ``x`` transposed (its columns past
+    ``M`` zero), scaled by ``column_scale [K]`` or ``column_scale [1]``."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    if ROW_SCALE != NO_COPY:
+        if ROW_SCALE == PER_SLICE:
+            scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=1.0)[:, None]
         else:
-            scaled = x * row_scale
-        scaled = tl.minimum(tl.maximum(scaled, -LIMIT), LIMIT)
-        tl.store(out_row + cols, fp8_code(scaled, MANT_BITS, EXP_BIAS), mask=mask)
+            scale = tl.load(row_scale_ptr)
+        scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
+                 fp8_code(scaled, MANT_BITS, EXP_BIAS), mask=row_mask[:, None] & col_mask[None, :])
+    if COLUMN_SCALE != NO_COPY:
+        if COLUMN_SCALE == PER_SLICE:
+            scale = tl.load(column_scale_ptr + cols, mask=col_mask, other=1.0)[None, :]
+        else:
+            scale = tl.load(column_scale_ptr)
+        scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
+        codes = tl.trans(fp8_code(scaled, MANT_BITS, EXP_BIAS))
+        tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], codes,
+                 mask=col_mask[:, None] & (rows < padded_rows)[None, :])
 
 
 @dataclass(frozen=True)
@@ -168,39 +192,79 @@ def power_of_2_floor(scale: torch.Tensor) -> torch.Tensor:
     return (scale.view(torch.int32) & -(1 << 23)).view(torch.float32)
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool,
-             rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t [M, K]`` (unit column stride) → ``(t_fp8 [rows or M, K], inverse scale)``: one scale for
-    the tensor (``dim`` ``None``, a 0-d fp32 tensor), one per row (``dim = 1``: ``[M, 1]``) or one
-    per column (``dim = 0``: ``[1, K]``), each ``max(dtype) / amax`` of its slice (computed in fp64,
-    floored to a power of two with ``power_of_2``), by :func:`fp8_cast_kernel` (a row's amax and
-    cast in one program). ``rows`` > M pads with zero rows (their scale, per row, is 1)."""
+# How a copy of an operand is scaled: one scale per row (of the row-major copy) or per column
+# (of the transposed copy), along the matmul's inner dimension; or one for the whole operand.
+Scaling = Literal["axiswise", "tensorwise"]
+_SCALE_KINDS = {None: NO_COPY, "axiswise": PER_SLICE, "tensorwise": PER_TENSOR}
+
+# An operand in FP8 and its inverse scale: 0-d, or one per row of the FP8 tensor ([rows, 1]).
+Fp8Operand = tuple[torch.Tensor, torch.Tensor]
+
+
+def _scales(amax: torch.Tensor, limit: float, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(limit / amax, its reciprocal)``, computed in fp64 and floored to a power of two with
+    ``power_of_2`` (torchao's scales); an amax below :data:`AMAX_EPS` counts as it."""
+    scale = (limit / amax.double().clamp(min=AMAX_EPS)).float()
+    if power_of_2:
+        scale = power_of_2_floor(scale)
+    return scale, scale.reciprocal()
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, rows: Scaling | None, columns: Scaling | None,
+         power_of_2: bool) -> tuple[Fp8Operand | None, Fp8Operand | None]:
+    """``t [M, K]`` (unit column stride) in FP8 ``dtype``, read twice (the largest magnitudes, then
+    the casts) for up to two copies, each scaled by ``max(dtype) / amax`` over a slice
+    (:func:`_scales`) and rounded to nearest even as ``.to(dtype)`` rounds:
+
+    - ``rows``: ``t`` row-major ``[M, K]``, scaled per row (inverse ``[M, 1]``) or per tensor
+      (inverse 0-d); the first operand of a matmul over ``K``.
+    - ``columns``: ``tᵀ`` row-major ``[K, M']``, its columns past ``M`` zero up to ``M'``, ``M``
+      rounded up to 16; scaled per column of ``t`` (inverse ``[K, 1]``) or per tensor; a matmul
+      over ``M`` takes it (its transpose, column-major, as the second operand).
+
+    ``None`` where that copy is not wanted. Copies scaled per tensor share their scale."""
     limit = torch.finfo(dtype).max
-    n_rows = t.shape[0] if rows is None else rows
-    out = t.new_empty((n_rows, t.shape[1]), dtype=dtype)
-    inverse = torch.empty((t.shape[0], 1), dtype=torch.float32, device=t.device)
-    scale = inverse
-    if dim != 1:
-        # max |t| from its extremes: no [M, K] temporary of |t| or of an fp32 copy.
-        low, high = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=0, keepdim=True)
-        scale = (limit / torch.maximum(high, -low).double().clamp(min=AMAX_EPS)).float()
-        if power_of_2:
-            scale = power_of_2_floor(scale)
-        inverse = scale.reciprocal()
-    mant_bits, exp_bias = FORMATS[dtype]
-    scale_from = SCALE_ROW if dim == 1 else SCALE_COLUMN if dim == 0 else SCALE_TENSOR
-    if t.shape[0] > 0:
+    n_rows, n_cols = t.shape
+    padded_rows = _aligned(n_rows)
+    # One buffer of amaxes, zeroed once: [M] per row, [K] per column, [1] for the tensor.
+    amax = torch.zeros(n_rows + n_cols + 1, dtype=torch.float32, device=t.device)
+    row_amax, column_amax, tensor_amax = amax.split((n_rows, n_cols, 1))
+    wanted = (rows, columns)
+    if t.numel():
         launch(
-            fp8_cast_kernel, (t.shape[0],), t, scale, out.view(torch.uint8), inverse, t.shape[1], t.stride(0),
-            out.stride(0), LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias,
-            SCALE=scale_from.value, POWER_OF_2=power_of_2,
-            AMAX_FLOOR=AMAX_EPS, BLOCK_N=CAST_BLOCK_N, num_warps=CAST_WARPS,
+            fp8_amax_kernel, (triton.cdiv(n_rows, CAST_BLOCK_M), triton.cdiv(n_cols, CAST_BLOCK_K)),
+            t, row_amax, column_amax, tensor_amax, n_rows, n_cols, t.stride(0),
+            ROWS=rows == "axiswise", COLUMNS=columns == "axiswise", TENSOR="tensorwise" in wanted,
+            BLOCK_M=CAST_BLOCK_M, BLOCK_K=CAST_BLOCK_K, num_warps=CAST_WARPS,
         )
-    if n_rows > t.shape[0]:
-        out[t.shape[0]:].zero_()
-        if dim == 1:
-            inverse = torch.cat([inverse, inverse.new_ones((n_rows - t.shape[0], 1))])
-    return out, inverse
+    tensor = _scales(tensor_amax, limit, power_of_2) if "tensorwise" in wanted else None
+
+    def scales(scaling: Scaling | None, slice_amax: torch.Tensor):
+        if scaling is None:
+            return None, None
+        return tensor if scaling == "tensorwise" else _scales(slice_amax, limit, power_of_2)
+
+    row_scale, row_inverse = scales(rows, row_amax)
+    column_scale, column_inverse = scales(columns, column_amax)
+    out = t.new_empty((n_rows, n_cols), dtype=dtype) if rows else None
+    out_t = t.new_empty((n_cols, padded_rows), dtype=dtype) if columns else None
+    if padded_rows * n_cols:
+        mant_bits, exp_bias = FORMATS[dtype]
+        launch(
+            fp8_cast_kernel, (triton.cdiv(padded_rows, CAST_BLOCK_M), triton.cdiv(n_cols, CAST_BLOCK_K)),
+            t, row_scale, column_scale, None if out is None else out.view(torch.uint8),
+            None if out_t is None else out_t.view(torch.uint8), n_rows, n_cols, padded_rows, t.stride(0),
+            n_cols, padded_rows, ROW_SCALE=_SCALE_KINDS[rows].value, COLUMN_SCALE=_SCALE_KINDS[columns].value,
+            LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias, BLOCK_M=CAST_BLOCK_M, BLOCK_K=CAST_BLOCK_K,
+            num_warps=CAST_WARPS,
+        )
+
+    def operand(fp8: torch.Tensor | None, inverse: torch.Tensor, scaling: Scaling | None) -> Fp8Operand | None:
+        if fp8 is None:
+            return None
+        return fp8, inverse.reshape(()) if scaling == "tensorwise" else inverse.reshape(-1, 1)
+
+    return operand(out, row_inverse, rows), operand(out_t, column_inverse, columns)
 
 
 def is_float8_weight(weight: torch.Tensor) -> bool:
@@ -219,10 +283,14 @@ def _aligned(rows: int) -> int:
     return -(rows // -ALIGN) * ALIGN
 
 
-def scaled_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``(a · a_inverse) @ (b · b_inverse)`` by ``torch._scaled_mm``, fp32 accumulation, in
-    ``out_dtype`` (into ``out`` when given). An fp32 result is computed in bf16 and widened, as
-    torchao does: the GPU's rowwise FP8 matmul has no fp32 output."""
+def scaled_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype, out: torch.Tensor | None = None,
+              alpha: float = 1.0) -> torch.Tensor:
+    """``alpha · (a · a_inverse) @ (b · b_inverse)`` by ``torch._scaled_mm``, fp32 accumulation,
+    in ``out_dtype`` (into ``out`` when given); ``alpha`` joins ``a``'s scale (fp32, before the
+    product is rounded). An fp32 result is computed in bf16 and widened, as torchao does: the
+    GPU's rowwise FP8 matmul has no fp32 output."""
+    if alpha != 1.0:
+        a_inverse = a_inverse * alpha
     compute_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
     if out is not None and compute_dtype == out_dtype:
         return torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=compute_dtype, out=out)
@@ -231,62 +299,71 @@ def scaled_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype, out: torch.Ten
 
 
 class Fp8HeadMatmuls:
-    """The chunk loop's matmuls over ``weight [V, H]`` in FP8 by ``recipe`` (module docstring)."""
+    """The chunk loop's matmuls over ``weight [V, H]`` in FP8 by ``recipe`` (module docstring).
+    A chunk's ``x`` and ``dlogits`` are each cast once, in one pass, for both of the matmuls that
+    take them: row-major for the logits and ``dx``, transposed for ``dW`` (kept until then)."""
 
-    def __init__(self, weight: torch.Tensor, recipe: str, grad_input_needed: bool = True):
+    def __init__(self, weight: torch.Tensor, recipe: str, grad_input_needed: bool = True,
+                 grad_weight_needed: bool = True):
         self.recipe = RECIPES[recipe]
         self.dtype = weight.dtype
+        self.scaling: Scaling = "axiswise" if self.recipe.axiswise else "tensorwise"
+        # How the transposed copies of x and dlogits that an FP8 dW takes are scaled, if it is wanted.
+        self.grad_weight_scaling = self.scaling if self.recipe.grad_weight_fp8 and grad_weight_needed else None
         pow2 = self.recipe.power_of_2_scales
+        self.weight_for_grad_input: Fp8Operand | None = None
         if is_float8_weight(weight):
             # Already cast, tensorwise (FSDP2 all-gathers torchao's weights in FP8 so).
             if self.recipe.axiswise:
                 raise ValueError(f"fp8={recipe!r}: the weight is already FP8 with one scale (tensorwise); "
                                  "expected the tensorwise recipe")
-            self.weight_fp8, weight_inverse = weight._data, weight._scale.float().reciprocal()
+            self.weight_fp8, self.weight_inverse = weight._data, weight._scale.float().reciprocal()
+            if grad_input_needed:
+                self.weight_for_grad_input = (column_major(self.weight_fp8), self.weight_inverse)
         else:
-            self.weight_fp8, weight_inverse = quantize(weight, E4M3, 1 if self.recipe.axiswise else None, pow2)
-        # The logits' second operand is Wᵀ [H, V], column-major: W's rows as they are.
-        self.weight_inverse = weight_inverse.reshape(1, -1) if self.recipe.axiswise else weight_inverse
-        self.weight_for_grad_input = None
-        if grad_input_needed:
-            if self.recipe.weight_axiswise_for_grad_input:
-                weight_fp8, inverse = quantize(weight, E4M3, 0, pow2)
-            elif self.recipe.axiswise:
-                weight_fp8, inverse = quantize(weight, E4M3, None, pow2)
-                # _scaled_mm takes one granularity for both operands: dlogits' are per row, so the
-                # weight's one scale goes per column (as torchao expands it).
-                inverse = inverse.expand(1, weight.shape[1]).contiguous()
-            else:
-                weight_fp8, inverse = self.weight_fp8, self.weight_inverse
-            self.weight_for_grad_input = (column_major(weight_fp8), inverse)
-        # Tensorwise, a chunk's x and dlogits are cast once for both of the matmuls that take them
-        # (padded for dW): (the tensor, its cast), kept until the chunk's weight gradient.
-        self.cast_x = self.cast_grad = None
-
-    def _cast(self, t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``t`` cast for a matmul (:func:`quantize`); tensorwise, padded to aligned rows."""
-        rows = None if self.recipe.axiswise else _aligned(t.shape[0])
-        return quantize(t, dtype, dim, self.recipe.power_of_2_scales, rows)
+            columns: Scaling | None = None
+            if grad_input_needed:
+                columns = "axiswise" if self.recipe.weight_axiswise_for_grad_input else "tensorwise"
+            (self.weight_fp8, weight_inverse), transposed = cast(weight, E4M3, self.scaling, columns, pow2)
+            # The logits' second operand is Wᵀ [H, V], column-major: W's rows as they are.
+            self.weight_inverse = weight_inverse.reshape(1, -1) if self.recipe.axiswise else weight_inverse
+            if transposed is not None:
+                weight_t, inverse = transposed
+                if self.recipe.axiswise:
+                    # _scaled_mm takes one granularity for both operands: dlogits' are per row, so
+                    # the weight's (per column, or one, as torchao expands it) go per column of W.
+                    inverse = inverse.reshape(1, -1).expand(1, weight.shape[1]).contiguous()
+                self.weight_for_grad_input = (weight_t.t(), inverse)
+        # (the tensor, its transposed copy) of the current chunk, for dW.
+        self.x_transposed: tuple[torch.Tensor, Fp8Operand] | None = None
+        self.grad_transposed: tuple[torch.Tensor, Fp8Operand] | None = None
 
     def logits(self, x_chunk: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
         """``out [C, V] = x_chunk @ Wᵀ (+ bias)``."""
-        x_fp8, x_inverse = self._cast(x_chunk, E4M3, 1 if self.recipe.axiswise else None)
-        if not self.recipe.axiswise:
-            self.cast_x = (x_chunk, x_fp8, x_inverse)
-        scaled_mm(x_fp8[: x_chunk.shape[0]], self.weight_fp8.t(), x_inverse, self.weight_inverse, out.dtype, out)
+        pow2 = self.recipe.power_of_2_scales
+        (x_fp8, x_inverse), x_t = cast(x_chunk, E4M3, self.scaling, self.grad_weight_scaling, pow2)
+        self.x_transposed = None if x_t is None else (x_chunk, x_t)
+        scaled_mm(x_fp8, self.weight_fp8.t(), x_inverse, self.weight_inverse, out.dtype, out)
         if bias is not None:
             out.add_(bias)
 
     def grad_input(self, dlogits: torch.Tensor, out: torch.Tensor | None, alpha: float) -> torch.Tensor:
         """``dlogits [C, V] @ W`` times ``alpha``, into ``out [C, H]`` (a new tensor when ``None``)."""
-        grad_fp8, grad_inverse = self._cast(dlogits, self.recipe.grad_dtype, 1 if self.recipe.axiswise else None)
-        if not self.recipe.axiswise:
-            self.cast_grad = (dlogits, grad_fp8, grad_inverse)
+        pow2 = self.recipe.power_of_2_scales
+        (grad_fp8, grad_inverse), grad_t = cast(
+            dlogits, self.recipe.grad_dtype, self.scaling, self.grad_weight_scaling, pow2)
+        self.grad_transposed = None if grad_t is None else (dlogits, grad_t)
         weight_fp8, weight_inverse = self.weight_for_grad_input
-        result = scaled_mm(grad_fp8[: dlogits.shape[0]], weight_fp8, grad_inverse, weight_inverse, self.dtype, out)
-        if alpha != 1.0:
-            result.mul_(alpha)
-        return result
+        return scaled_mm(grad_fp8, weight_fp8, grad_inverse, weight_inverse, self.dtype, out, alpha)
+
+    def _transposed(self, kept: tuple[torch.Tensor, Fp8Operand] | None, t: torch.Tensor,
+                    dtype: torch.dtype) -> Fp8Operand:
+        """``t``'s transposed copy for dW: the one ``kept`` when it was made from ``t``, else cast."""
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        _, transposed = cast(t, dtype, None, self.scaling, self.recipe.power_of_2_scales)
+        assert transposed is not None
+        return transposed
 
     def accumulate_grad_weight(self, grad_weight: torch.Tensor, dlogits: torch.Tensor, x_chunk: torch.Tensor,
                                first: bool, alpha: float) -> None:
@@ -294,24 +371,13 @@ class Fp8HeadMatmuls:
         if not self.recipe.grad_weight_fp8:
             grad_weight.addmm_(dlogits.t(), x_chunk, beta=0 if first else 1, alpha=alpha)
             return
-        rows = _aligned(dlogits.shape[0])
-        dim = 0 if self.recipe.axiswise else None
-        pow2 = self.recipe.power_of_2_scales
-        cast_grad, cast_x, self.cast_grad, self.cast_x = self.cast_grad, self.cast_x, None, None
-        if cast_grad is not None and cast_grad[0] is dlogits:
-            grad_fp8, grad_inverse = cast_grad[1:]
-        else:
-            grad_fp8, grad_inverse = quantize(dlogits, self.recipe.grad_dtype, dim, pow2, rows)
-        if cast_x is not None and cast_x[0] is x_chunk:
-            x_fp8, x_inverse = cast_x[1:]
-        else:
-            x_fp8, x_inverse = quantize(x_chunk, E4M3, dim, pow2, rows)
-        # dlogitsᵀ [V, C] row-major and x [C, H] column-major; per-column scales become per-row of dlogitsᵀ.
-        partial = scaled_mm(
-            grad_fp8.t().contiguous(), column_major(x_fp8),
-            grad_inverse.reshape(-1, 1) if self.recipe.axiswise else grad_inverse, x_inverse, grad_weight.dtype,
-        )
+        kept_grad, kept_x, self.grad_transposed, self.x_transposed = self.grad_transposed, self.x_transposed, None, None
+        grad_t, grad_inverse = self._transposed(kept_grad, dlogits, self.recipe.grad_dtype)
+        x_t, x_inverse = self._transposed(kept_x, x_chunk, E4M3)
+        # dlogitsᵀ [V, C'] row-major and x [C', H] column-major (the rows past C zero in both);
+        # x's per-column scales are per column of the product.
+        x_inverse = x_inverse.reshape(1, -1) if self.recipe.axiswise else x_inverse
         if first:
-            torch.mul(partial, alpha, out=grad_weight)
+            scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_weight.dtype, grad_weight, alpha)
         else:
-            grad_weight.add_(partial, alpha=alpha)
+            grad_weight.add_(scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_weight.dtype, alpha=alpha))

@@ -160,10 +160,13 @@ class HeadMatmuls:
         grad_weight.addmm_(dlogits.t(), x_chunk, beta=0 if first else 1, alpha=alpha)
 
 
-def head_matmuls(weight: torch.Tensor, fp8: str | None, grad_input_needed: bool = True):
+def head_matmuls(weight: torch.Tensor, fp8: str | None, grad_input_needed: bool = True,
+                 grad_weight_needed: bool = True):
     """The chunk loop's matmuls over ``weight``: in FP8 by the recipe ``fp8`` (see
-    :mod:`tigon.ops.fp8`), else in the weight's dtype."""
-    return HeadMatmuls(weight) if fp8 is None else Fp8HeadMatmuls(weight, fp8, grad_input_needed)
+    :mod:`tigon.ops.fp8`; what is not needed is not cast for), else in the weight's dtype."""
+    if fp8 is None:
+        return HeadMatmuls(weight)
+    return Fp8HeadMatmuls(weight, fp8, grad_input_needed, grad_weight_needed)
 
 
 def fused_linear_chunks(

@@ -72,7 +72,7 @@ def _chunked_cross_entropy(
     fused_linear_chunks(
         x2d, weight, bias, row_chunks(x2d.shape[0], chunk_rows), cross_entropy_head,
         grad_input, grad_weight, grad_bias, matmul_scale,
-        matmuls=head_matmuls(weight, fp8, grad_input_needed=grad_input is not None),
+        matmuls=head_matmuls(weight, fp8, grad_input is not None, grad_weight is not None),
     )
 
 

@@ -382,7 +382,7 @@ def fused_linear_logprobs_fwd(
     logits_buffer = input.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
     fused_linear_chunks(
         input, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head, grad_input, grad_weight, grad_bias,
-        logits_buffer=logits_buffer, matmuls=head_matmuls(weight, fp8, grad_input_needed),
+        logits_buffer=logits_buffer, matmuls=head_matmuls(weight, fp8, grad_input_needed, grad_weight_needed),
     )
     kept = logits_buffer if keep_logits else input.new_empty(0)
     return (*fields, *_grads_out(input, bias, grad_input, grad_weight, grad_bias), kept)
@@ -425,7 +425,7 @@ def fused_linear_logprobs_bwd(
     fused_linear_chunks(
         input, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, grad_input, grad_weight, grad_bias,
         logits_buffer=logits_buffer if kept else None, first_chunk_computed=kept,
-        matmuls=head_matmuls(weight, fp8, grad_input_needed),
+        matmuls=head_matmuls(weight, fp8, grad_input_needed, grad_weight_needed),
     )
     return _grads_out(input, bias, grad_input, grad_weight, grad_bias)
 
@@ -596,7 +596,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
         ones = torch.ones(min(chunk_rows, n_rows), dtype=torch.float32, device=input.device)
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
         sharded_transform = transform_args(temperature, None, 1.0)
-        matmuls = head_matmuls(weight, fp8, needs[0])
+        matmuls = head_matmuls(weight, fp8, needs[0], needs[1])
 
         def logprobs_head(ranges, logits):
             rows = slice(*ranges[0])
