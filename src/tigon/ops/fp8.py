@@ -55,7 +55,8 @@ AMAX_EPS = 1e-12
 ALIGN = 16
 
 
-# The cast kernels' tile of rows and columns, and their warps.
+# The tile of rows and columns, and the warps, of the amax and cast kernels.
+AMAX_BLOCK_M, AMAX_BLOCK_K, AMAX_WARPS = 64, 128, 8
 CAST_BLOCK_M, CAST_BLOCK_K, CAST_WARPS = 64, 128, 8
 # How a copy made by fp8_cast_kernel is scaled (its ROW_SCALE and COLUMN_SCALE): not made, one
 # scale per row (or column) of the input, one for the whole input.
@@ -232,10 +233,10 @@ def cast(t: torch.Tensor, dtype: torch.dtype, rows: Scaling | None, columns: Sca
     wanted = (rows, columns)
     if t.numel():
         launch(
-            fp8_amax_kernel, (triton.cdiv(n_rows, CAST_BLOCK_M), triton.cdiv(n_cols, CAST_BLOCK_K)),
+            fp8_amax_kernel, (triton.cdiv(n_rows, AMAX_BLOCK_M), triton.cdiv(n_cols, AMAX_BLOCK_K)),
             t, row_amax, column_amax, tensor_amax, n_rows, n_cols, t.stride(0),
             ROWS=rows == "axiswise", COLUMNS=columns == "axiswise", TENSOR="tensorwise" in wanted,
-            BLOCK_M=CAST_BLOCK_M, BLOCK_K=CAST_BLOCK_K, num_warps=CAST_WARPS,
+            BLOCK_M=AMAX_BLOCK_M, BLOCK_K=AMAX_BLOCK_K, num_warps=AMAX_WARPS,
         )
     tensor = _scales(tensor_amax, limit, power_of_2) if "tensorwise" in wanted else None
 
