@@ -92,3 +92,16 @@ def test_a_head_of_another_float8_config_is_refused():
     input_ids, labels = tiny_batch()
     with pytest.raises(ValueError, match="none of the recipes tigon's fused loss computes in FP8"):
         model(input_ids=input_ids, labels=labels)
+
+
+def test_compiled_decoder_layers_train_as_eager_ones():
+    # torch.compile over each decoder layer, as torchtitan trains FP8 (torchao's casts are fused
+    # only so). Its trace refuses a backward that writes into a view of torchao's outputs, as the
+    # gate's in-place backward does eagerly: compiled, the gate keeps its inputs. aot_eager runs
+    # the traced graphs without Inductor's code generation: the same math as eager.
+    eager_losses, _ = train(float8_model("tigon_first", "rowwise"), [])
+    model = float8_model("tigon_first", "rowwise")
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    losses, _ = train(model, [])
+    assert losses == pytest.approx(eager_losses, rel=1e-4)

@@ -97,9 +97,15 @@ class TigonMLP:
         super().__init__(*args, **kwargs)
         check_activation(self)
 
+    @staticmethod
+    def _backward_in_place() -> bool:
+        """Whether the gate's backward may overwrite its inputs: the projections' outputs feed
+        nothing else. Not under torch.compile: its trace of the backward refuses writes into a
+        view of a custom Function's output (torchao's ``Float8Linear``)."""
+        return not torch.compiler.is_compiling()
+
     def _gated(self, gate, up):
-        # The projections' outputs feed nothing but the gate, so its backward may overwrite them.
-        return getattr(F, self.gate)(gate, up, inplace_backward=True)
+        return getattr(F, self.gate)(gate, up, inplace_backward=self._backward_in_place())
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -166,7 +172,7 @@ class TigonUngatedMLP(TigonMLP):
     """``down_proj(act(up_proj(x)))`` with the activation by tigon (Nemotron's squared ReLU)."""
 
     def forward(self, x):
-        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=True))
+        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=self._backward_in_place()))
 
 
 class TigonClampedSwiGLUExperts(TigonMLP):
