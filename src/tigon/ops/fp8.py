@@ -53,6 +53,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12
 # _scaled_mm's alignment of the inner and output dimensions.
 ALIGN = 16
+# Rows of the weight gradient computed per FP8 matmul after a chunk's first (then added).
+GRAD_WEIGHT_SLICE_ROWS = 8192
 
 
 # The tile of rows and columns, and the warps, of the amax and cast kernels (the fastest of a
@@ -381,5 +383,13 @@ class Fp8HeadMatmuls:
         x_inverse = x_inverse.reshape(1, -1) if self.recipe.axiswise else x_inverse
         if first:
             scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_weight.dtype, grad_weight, alpha)
-        else:
-            grad_weight.add_(scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_weight.dtype, alpha=alpha))
+            return
+        # An FP8 matmul cannot add to its output: each slice of rows of the product goes through a
+        # small buffer (kept in L2) and is added from there, not a whole [V, H] temporary.
+        partial = grad_weight.new_empty((min(GRAD_WEIGHT_SLICE_ROWS, grad_weight.shape[0]), grad_weight.shape[1]))
+        for start in range(0, grad_weight.shape[0], GRAD_WEIGHT_SLICE_ROWS):
+            rows = slice(start, start + GRAD_WEIGHT_SLICE_ROWS)
+            out = partial[: grad_t[rows].shape[0]]
+            scaled_mm(grad_t[rows], x_t.t(), grad_inverse[rows] if self.recipe.axiswise else grad_inverse, x_inverse,
+                      grad_weight.dtype, out, alpha)
+            grad_weight[rows].add_(out)
