@@ -54,7 +54,7 @@ AMAX_EPS = 1e-12
 # _scaled_mm's alignment of the inner and output dimensions.
 ALIGN = 16
 # Rows of the weight gradient computed per FP8 matmul after a chunk's first (then added).
-GRAD_WEIGHT_SLICE_ROWS = 8192
+GRAD_WEIGHT_SLICE_ROWS = 16384
 
 
 # The tile of rows and columns, and the warps, of the amax and cast kernels (the fastest of a
