@@ -98,14 +98,15 @@ class TigonMLP:
         check_activation(self)
 
     @staticmethod
-    def _backward_in_place() -> bool:
-        """Whether the gate's backward may overwrite its inputs: the projections' outputs feed
-        nothing else. Not under torch.compile: its trace of the backward refuses writes into a
-        view of a custom Function's output (torchao's ``Float8Linear``)."""
-        return not torch.compiler.is_compiling()
+    def _backward_in_place(*projections: torch.nn.Module) -> bool:
+        """Whether the gate's backward may overwrite its inputs, the outputs of ``projections``
+        (they feed nothing else). Under torch.compile only where they are plain ``nn.Linear``s:
+        its trace of the backward refuses writes into a view of a custom Function's output, as
+        torchao's ``Float8Linear`` returns."""
+        return not torch.compiler.is_compiling() or all(type(p) is torch.nn.Linear for p in projections)
 
-    def _gated(self, gate, up):
-        return getattr(F, self.gate)(gate, up, inplace_backward=self._backward_in_place())
+    def _gated(self, gate, up, *projections: torch.nn.Module):
+        return getattr(F, self.gate)(gate, up, inplace_backward=self._backward_in_place(*projections))
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -156,7 +157,7 @@ class TigonGatedMLP(TigonMLP):
                     x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora,
                     tile_tokens=tile_tokens,
                 )
-        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x), self.gate_proj, self.up_proj))
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -165,14 +166,15 @@ class TigonFusedGateUpMLP(TigonMLP):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self._gated(gate, up))
+        return self.down_proj(self._gated(gate, up, self.gate_up_proj))
 
 
 class TigonUngatedMLP(TigonMLP):
     """``down_proj(act(up_proj(x)))`` with the activation by tigon (Nemotron's squared ReLU)."""
 
     def forward(self, x):
-        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=self._backward_in_place()))
+        inplace_backward = self._backward_in_place(self.up_proj)
+        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=inplace_backward))
 
 
 class TigonClampedSwiGLUExperts(TigonMLP):
