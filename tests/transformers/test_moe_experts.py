@@ -326,3 +326,27 @@ def test_expert_parallel_sentinel_slots_are_dropped(model_type):
     match = rf"top_k_index must hold expert ids in \[0, {n_experts}\].*got ids from 0 to {n_experts + 1}"
     with pytest.raises(ValueError, match=match):
         experts(hidden_states, past_the_sentinel, top_k_weights.to(hidden_states.device))
+
+
+def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone():
+    # PEFT 0.21's target_parameters: LoRA on the experts' [E, out, in] weights, applied by a
+    # parametrization that hands the experts W + scaling · B·A while they run. tigon's kernel reads
+    # the weights it is given, so the step is PEFT's (the adapter fused into the grouped matmuls,
+    # without that merged copy, is issue 32's).
+    from peft import LoraConfig, get_peft_model
+
+    if "target_parameters" not in LoraConfig.__dataclass_fields__:
+        pytest.skip("this PEFT has no target_parameters (PEFT 0.17 added it)")
+
+    def step(tigon: bool):
+        model = tiny_model("qwen3_moe")
+        if tigon:
+            apply_tigon(model)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        return loss_and_grads(get_peft_model(model, config), batch_of("qwen3_moe"))
+
+    truth, run = step(tigon=False), step(tigon=True)
+    assert KERNEL in run[1] and KERNEL not in truth[1]
+    assert any(".mlp.experts." in name and "lora_B" in name for name in run[2])
+    assert_matches(run, truth)
