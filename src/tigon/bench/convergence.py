@@ -140,7 +140,8 @@ def plot(record: dict, path: Path) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tigon bench convergence", description=__doc__.splitlines()[0])
+    summary = __doc__.split("\n\n")[0].replace("\n", " ")
+    parser = argparse.ArgumentParser(prog="tigon bench convergence", description=summary)
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES), metavar="RECIPE",
                         help=f"torchao's float8 recipes to train against bf16 (default: {' '.join(RECIPES)})")
     parser.add_argument("--steps", type=int, help=f"training steps (default: {SIZES['steps']}; "

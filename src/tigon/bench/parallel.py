@@ -340,7 +340,8 @@ def child_command(args, what: str, setup: str, tp: int, checkpoint: str | None) 
 
 def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(
-        prog="tigon bench parallel", description=__doc__.splitlines()[0] + " See python -m pydoc tigon.bench.parallel.",
+        prog="tigon bench parallel",
+        description=__doc__.split("\n\n")[0].replace("\n", " ") + " See python -m pydoc tigon.bench.parallel.",
     )
     parser.add_argument("--what", nargs="+", choices=WHAT, default=list(WHAT), metavar="WHAT",
                         help=f"which benchmarks: {', '.join(WHAT)} (default: all)")
