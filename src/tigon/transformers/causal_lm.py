@@ -288,6 +288,22 @@ FLOAT8_SCALING_FIELDS = (
 )
 
 
+def _float8_scaling(config) -> dict:
+    """What decides a torchao float8 config's numbers: how each operand is cast. How FSDP
+    all-gathers the weight, or whether a matmul accumulates fast, does not make another recipe."""
+    return {name: getattr(config, name) for name in FLOAT8_SCALING_FIELDS}
+
+
+@functools.cache
+def _recipe_scalings() -> dict[str, dict]:
+    """Each recipe tigon's fused loss computes in FP8, and its scaling (built once, not per step)."""
+    from torchao.float8 import Float8LinearConfig
+
+    from tigon.ops.fp8 import RECIPES
+
+    return {recipe: _float8_scaling(Float8LinearConfig.from_recipe_name(recipe)) for recipe in RECIPES}
+
+
 def head_fp8_recipe(head: torch.nn.Module) -> str | None:
     """The torchao float8 recipe of a head that ``convert_to_float8_training`` converted (its
     ``Float8Linear``), ``None`` for any other head. Raises ``ValueError`` for a config other than
@@ -295,20 +311,12 @@ def head_fp8_recipe(head: torch.nn.Module) -> str | None:
     float8_linear = sys.modules.get("torchao.float8.float8_linear")
     if float8_linear is None or not isinstance(head, float8_linear.Float8Linear):
         return None
-    from torchao.float8 import Float8LinearConfig
-
-    from tigon.ops.fp8 import RECIPES
-
-    def scaling(config) -> dict:
-        # What decides the numbers: how each operand is cast. How FSDP all-gathers the weight, or
-        # whether a matmul accumulates fast, does not make another recipe.
-        return {name: getattr(config, name) for name in FLOAT8_SCALING_FIELDS}
-
-    for recipe in RECIPES:
-        if scaling(head.config) == scaling(Float8LinearConfig.from_recipe_name(recipe)):
+    scaling = _float8_scaling(head.config)
+    for recipe, recipe_scaling in _recipe_scalings().items():
+        if scaling == recipe_scaling:
             return recipe
     raise ValueError(
-        f"lm_head is a torchao Float8Linear whose casts {scaling(head.config)} are none of the recipes tigon's fused "
-        f"loss computes in FP8 ({', '.join(RECIPES)}): convert with one of them, leave lm_head out of the conversion "
-        "(module_filter_fn), or patch with fused_linear_cross_entropy=False"
+        f"lm_head is a torchao Float8Linear whose casts {scaling} are none of the recipes tigon's fused "
+        f"loss computes in FP8 ({', '.join(_recipe_scalings())}): convert with one of them, leave lm_head out "
+        "of the conversion (module_filter_fn), or patch with fused_linear_cross_entropy=False"
     )
