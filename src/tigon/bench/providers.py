@@ -84,17 +84,26 @@ def _tigon_losses() -> OpTable:
     }
 
 
-def _torch() -> OpTable:
-    return {name: call for name, call in _standard_table(reference).items() if name not in FP8_OPS}
+# The ops PyTorch's reference is timed on as a peer: all but the FP8 losses, whose reference is an
+# oracle (see specs.FP8_OPS).
+REFERENCE_PEER_OPS = {name: spec for name, spec in OPS.items() if name not in FP8_OPS}
 
 
-def _torch_compile() -> OpTable:
+def _allow_a_compile_per_size() -> None:
     # Static shapes: each swept size is compiled once, on its first (warm-up) call. Dynamo's
     # default limit of 8 recompilations per function would otherwise cap a longer sweep.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+def _torch() -> OpTable:
+    return {name: functools.partial(spec.call, reference) for name, spec in REFERENCE_PEER_OPS.items()}
+
+
+def _torch_compile() -> OpTable:
+    _allow_a_compile_per_size()
     return {
         name: functools.partial(torch.compile(spec.call, dynamic=False), reference)
-        for name, spec in OPS.items() if name not in FP8_OPS
+        for name, spec in REFERENCE_PEER_OPS.items()
     }
 
 
@@ -215,22 +224,23 @@ def _torchao(compiled: bool = False) -> OpTable:
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    heads: dict[tuple[int, str], Float8Linear] = {}
+    # The head of the case being timed, per recipe: (its weight, the module). Only the current
+    # case's is kept, so that an earlier case's weight is freed with it.
+    heads: dict[str, tuple[torch.Tensor, Float8Linear]] = {}
 
     def head(weight: torch.Tensor, recipe: str) -> Float8Linear:
-        # One module per weight, made once: its Parameter shares the case's weight storage.
-        if (id(weight), recipe) not in heads:
+        # Made once per case: its Parameter shares the case's weight storage.
+        if recipe not in heads or heads[recipe][0] is not weight:
             linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             linear.weight = torch.nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
-            config = Float8LinearConfig.from_recipe_name(recipe)
-            heads[id(weight), recipe] = Float8Linear.from_float(linear, config=config)
-        return heads[id(weight), recipe]
+            heads[recipe] = (weight, Float8Linear.from_float(linear, config=Float8LinearConfig.from_recipe_name(recipe)))
+        return heads[recipe][1]
 
     def head_loss(linear: Float8Linear, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(linear(x).float(), target)
 
     if compiled:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _allow_a_compile_per_size()
         head_loss = torch.compile(head_loss, dynamic=False)
 
     def loss(recipe: str):
