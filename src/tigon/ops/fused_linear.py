@@ -174,6 +174,7 @@ def fused_linear_chunks(
     head: ChunkHead, grad_input: torch.Tensor | None = None, grad_weight: torch.Tensor | None = None,
     grad_bias: torch.Tensor | None = None, matmul_scale: float = 1.0, logits_buffer: torch.Tensor | None = None,
     first_chunk_computed: bool = False, matmuls: HeadMatmuls | None = None,
+    grad_input_written: Callable[[RowRanges], None] | None = None,
 ) -> None:
     """Run ``head`` over the logits of every chunk and accumulate the gradients that are given.
 
@@ -189,6 +190,8 @@ def fused_linear_chunks(
         first_chunk_computed: the buffer already holds the first chunk's logits, kept from an
             earlier loop over the same rows: that chunk's matmul is skipped.
         matmuls: the three matmuls (:func:`head_matmuls`; by default in the weight's dtype).
+        grad_input_written: called with a chunk's ranges once their ``grad_input`` rows are
+            enqueued (a vocabulary-parallel loss starts their all-reduce there).
     """
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
     matmuls = HeadMatmuls(weight) if matmuls is None else matmuls
@@ -215,6 +218,8 @@ def fused_linear_chunks(
                 elif matmul_scale != 1.0:
                     grad_chunk.mul_(matmul_scale)
                 scatter_rows(grad_chunk, grad_input, ranges)
+            if grad_input_written is not None:
+                grad_input_written(ranges)
         if grad_weight is not None:
             scaled_x = x_chunk if row_scale is None else x_chunk * row_scale.unsqueeze(1).to(x_chunk.dtype)
             matmuls.accumulate_grad_weight(grad_weight, logits, scaled_x, index == 0, matmul_scale)

@@ -635,9 +635,11 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
                 logprobs_grad(rows, logits)
             return grad_logps
 
+        grad_input_sum = None if shard is None else shard.grad_input_sum(grad_input)
+        grad_input_written = None if grad_input_sum is None else grad_input_sum.rows_written
         if not two_pass:
             fused_linear_chunks(x2d, weight, bias, chunks, loss_head, grad_input, grad_weight, grad_bias,
-                                logits_buffer=logits_buffer, matmuls=matmuls)
+                                logits_buffer=logits_buffer, matmuls=matmuls, grad_input_written=grad_input_written)
         else:
             fused_linear_chunks(x2d, weight, bias, chunks, logprobs_head, logits_buffer=logits_buffer,
                                 matmuls=matmuls)
@@ -652,9 +654,10 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
                 fused_linear_chunks(
                     x2d, weight, bias, chunks[-1:] + chunks[:-1], recomputed_grad_head, grad_input, grad_weight,
                     grad_bias, logits_buffer=logits_buffer, first_chunk_computed=True, matmuls=matmuls,
+                    grad_input_written=grad_input_written,
                 )
-        if shard is not None:
-            shard.finish_grad_input(grad_input)
+        if grad_input_sum is not None:
+            grad_input_sum.wait()
         ctx.save_for_backward(grad_input, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
         ctx.needs, ctx.input_shape = needs, input.shape
         log_prob, entropy = log_prob.view(n_sequences, seq_len), entropy.view(n_sequences, seq_len)

@@ -287,7 +287,7 @@ class VocabShard:
     """This rank's slice ``[vocab_start, vocab_start + V_r)`` of a vocabulary of ``vocab_size``
     sharded over ``group``, and what a loss does with it: the whole vocabulary's statistics of a
     chunk's rows (:meth:`stats`), the slice's gradient (:meth:`grad`), the input's gradient
-    reduced (:meth:`finish_grad_input`). ``reduce_grad_input``: all-reduce the input's gradient
+    reduced (:meth:`grad_input_sum`). ``reduce_grad_input``: all-reduce the input's gradient
     (else it is left as this rank's partial sum)."""
 
     group: dist.ProcessGroup
@@ -344,10 +344,30 @@ class VocabShard:
         terms = logprob_grad_terms(lse, grad_log_prob, grad_entropy, entropy)
         self.grad(logits, target, terms, ignore_index, transform, entropy_grad=grad_entropy is not None)
 
-    def finish_grad_input(self, grad_input: torch.Tensor | None) -> None:
-        """The input's gradient summed over the ranks' slices, when the op reduces it."""
-        if grad_input is not None and self.reduce_grad_input:
-            dist.all_reduce(grad_input, group=self.group)
+    def grad_input_sum(self, grad_input: torch.Tensor | None) -> GradInputSum:
+        """The input's gradient summed over the ranks' slices chunk by chunk, when the op reduces it."""
+        return GradInputSum(grad_input if self.reduce_grad_input else None, self.group)
+
+
+class GradInputSum:
+    """All-reduces of ``grad_input [N, H]`` over ``group``, one per chunk: :meth:`rows_written`
+    (a :func:`~tigon.ops.fused_linear.fused_linear_chunks` callback) starts a chunk's as soon as
+    its rows are enqueued, so that the sum runs under the next chunks' matmuls; :meth:`wait` joins
+    them. Nothing is reduced for ``grad_input=None``."""
+
+    def __init__(self, grad_input: torch.Tensor | None, group: dist.ProcessGroup):
+        self.grad_input, self.group, self.pending = grad_input, group, []
+
+    def rows_written(self, ranges) -> None:
+        if self.grad_input is not None:
+            self.pending += [
+                dist.all_reduce(self.grad_input[start:end], group=self.group, async_op=True) for start, end in ranges
+            ]
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
 
 
 def vocab_shard(weight: torch.Tensor, n_rows: int, group: dist.ProcessGroup, reduce_grad_input: bool) -> VocabShard:
@@ -431,11 +451,12 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
                 terms = _cross_entropy_terms(row_lse, grad_scale, label_smoothing, lse_square_scale, shard.vocab_size)
                 shard.grad(logits, target[rows], terms, ignore_index, transform, uniform=smoothing)
 
+        grad_input_sum = shard.grad_input_sum(grad_input)
         fused_linear_chunks(
             x2d, weight, bias, row_chunks(n_rows, chunk_rows), cross_entropy_head, grad_input, grad_weight,
-            grad_bias, matmul_scale,
+            grad_bias, matmul_scale, grad_input_written=grad_input_sum.rows_written,
         )
-        shard.finish_grad_input(grad_input)
+        grad_input_sum.wait()
         if reduction == "none":
             ctx.save_for_backward(x2d, weight, target, bias, lse)
         else:
@@ -466,9 +487,10 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
                                              shard.vocab_size)
                 shard.grad(logits, target[rows], terms, ignore_index, transform, uniform=label_smoothing > 0.0)
 
+            grad_input_sum = shard.grad_input_sum(grads[0])
             fused_linear_chunks(x2d, weight, bias, row_chunks(x2d.shape[0], ctx.chunk_rows), cross_entropy_grad_head,
-                                *grads)
-            shard.finish_grad_input(grads[0])
+                                *grads, grad_input_written=grad_input_sum.rows_written)
+            grad_input_sum.wait()
             grads = (*grads[:2], None if grads[2] is None else grads[2].to(bias.dtype))
         grad_input, grad_weight, grad_bias = _grads_or_none(grads, ctx.needs, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, *(None,) * 9
@@ -524,9 +546,10 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
                 shard.logprob_grad(logits, target[rows], ignore_index, transform, lse[rows], ones[: logits.shape[0]])
 
         logits_buffer = x2d.new_empty((min(chunk_rows, n_rows), weight.shape[0]))
+        grad_input_sum = shard.grad_input_sum(grads[0])
         fused_linear_chunks(x2d, weight, bias, row_chunks(n_rows, chunk_rows), logprobs_head, *grads,
-                            logits_buffer=logits_buffer)
-        shard.finish_grad_input(grads[0])
+                            logits_buffer=logits_buffer, grad_input_written=grad_input_sum.rows_written)
+        grad_input_sum.wait()
         # With gradients in forward the buffer holds the last chunk's gradient, not its logits.
         kept = logits_buffer if any(needs) and not grad_in_forward else None
         ctx.set_materialize_grads(False)
@@ -565,12 +588,14 @@ class VocabParallelLogprobsFunction(torch.autograd.Function):
 
             chunks = row_chunks(x2d.shape[0], ctx.chunk_rows)
             kept = logits_buffer is not None
+            grad_input_sum = shard.grad_input_sum(grads[0])
             with contextlib.nullcontext() if ctx.backward_context is None else ctx.backward_context():
                 fused_linear_chunks(
                     x2d, weight, bias, chunks[-1:] + chunks[:-1], logprobs_grad_head, *grads,
                     logits_buffer=logits_buffer, first_chunk_computed=kept,
+                    grad_input_written=grad_input_sum.rows_written,
                 )
-            shard.finish_grad_input(grads[0])
+            grad_input_sum.wait()
         grads = (*grads[:2], None if grads[2] is None else grads[2].to(bias.dtype))
         grad_input, grad_weight, grad_bias = _grads_or_none(grads, ctx.needs, ctx.input_shape)
         return grad_input, grad_weight, None, grad_bias, *(None,) * 10
