@@ -19,14 +19,15 @@ MAX_REL = pick(1e-5, 3e-2)
 @pytest.mark.slow
 def test_smoke_run_writes_results(tmp_path, monkeypatch, capsys):
     # ~15 s on the CPU: Liger's and tigon's kernels through Triton's interpreter.
-    # Qwen3-MoE takes Liger's fused MoE; GPT-OSS's transposed, interleaved, biased experts do not.
-    blocks = ["qwen3_moe", "gpt_oss"]
+    # Qwen3-MoE takes Liger's fused MoE; GPT-OSS's transposed, interleaved, biased experts do not;
+    # OLMoE's top-k weights are not renormalised.
+    blocks = ["qwen3_moe", "olmoe", "gpt_oss"]
     monkeypatch.chdir(tmp_path)  # without --out, the results go under the working directory
     assert main(["moe", "--smoke", "--blocks", *blocks]) == 0
     out = tmp_path / "tigon-out" / "bench-smoke"
-    saved = json.loads((out / "moe_blocks-qwen3_moe-gpt_oss.json").read_text())  # a subset names its files
+    saved = json.loads((out / "moe_blocks-qwen3_moe-olmoe-gpt_oss.json").read_text())  # a subset names its files
     rows = {(row["block"], row["provider"]): row for row in saved["results"]}
-    assert (out / "moe_blocks-qwen3_moe-gpt_oss.png").is_file()
+    assert (out / "moe_blocks-qwen3_moe-olmoe-gpt_oss.png").is_file()
     assert saved["meta"]["smoke"] and set(saved["meta"]["blocks"]) == set(blocks)
     assert set(rows) == {(block, provider) for block in blocks for provider in moe.PROVIDERS}
     for block in blocks:

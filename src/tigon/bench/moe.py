@@ -8,6 +8,10 @@ standard-normal output gradient:
 
 - ``qwen3_moe``: ``Qwen3MoeSparseMoeBlock`` of Qwen3-30B-A3B: hidden 2048, 128 experts of width 768,
   top-8 with the top-k weights renormalised, 16384 tokens.
+- ``qwen3_235b``: the same block at Qwen3-235B-A22B's sizes: hidden 4096, 128 experts of width
+  1536, top-8, 8192 tokens.
+- ``olmoe``: ``OlmoeSparseMoeBlock`` of OLMoE-1B-7B: hidden 2048, 64 experts of width 1024, top-8
+  (not renormalised), 16384 tokens.
 - ``mixtral``: ``MixtralSparseMoeBlock`` of Mixtral-8x7B: hidden 4096, 8 experts of width 14336,
   top-2, 8192 tokens.
 - ``gpt_oss``: ``GptOssMLP`` of GPT-OSS-20B: hidden 2880, 32 experts of width 2880, top-4, 8192
@@ -52,7 +56,7 @@ Without a GPU (or with ``--smoke``) every block runs at tiny shapes (fp32 on the
 runs its interpreter; Liger's fused MoE with its autotuning off, which needs a GPU), each provider
 once: no timing or memory, the errors against ``grouped_mm`` still computed.
 
-    tigon bench moe [--blocks qwen3_moe mixtral gpt_oss] [--providers grouped_mm batched_mm liger tigon]
+    tigon bench moe [--blocks qwen3_moe qwen3_235b olmoe mixtral gpt_oss] [--providers grouped_mm batched_mm liger tigon]
         [--smoke] [--out DIR]
 """
 
@@ -139,6 +143,19 @@ BLOCKS = {
         Shape(experts=128, top_k=8, hidden=2048, intermediate=768, tokens=16384),
         Shape(experts=8, top_k=4, hidden=32, intermediate=24, tokens=16),
         config=dict(norm_topk_prob=True),
+    ),
+    "qwen3_235b": Block(
+        "Qwen3-235B-A22B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+        ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
+        Shape(experts=128, top_k=8, hidden=4096, intermediate=1536, tokens=8192),
+        Shape(experts=8, top_k=4, hidden=48, intermediate=32, tokens=16),
+        config=dict(norm_topk_prob=True),
+    ),
+    "olmoe": Block(
+        "OLMoE-1B-7B", "olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
+        ("num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
+        Shape(experts=64, top_k=8, hidden=2048, intermediate=1024, tokens=16384),
+        Shape(experts=6, top_k=3, hidden=32, intermediate=40, tokens=16),
     ),
     "mixtral": Block(
         "Mixtral-8x7B", "mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
