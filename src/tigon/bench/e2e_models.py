@@ -46,9 +46,8 @@ TINY_TEXT = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_
 
 
 def _llama_3_8b(layers: int, tiny: bool) -> dict:
-    # Tiny: 8 heads of 8 and 4 of keys and values, so that tensor parallel on 4 ranks splits them.
-    tiny_shapes = dict(TINY_TEXT, num_attention_heads=8, num_key_value_heads=4, intermediate_size=128,
-                       max_position_embeddings=1024)
+    # Tiny: 4 heads of keys and values (not 2), so that tensor parallel on 4 ranks splits them.
+    tiny_shapes = dict(TINY_TEXT, num_key_value_heads=4, intermediate_size=128, max_position_embeddings=1024)
     shapes = tiny_shapes if tiny else dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
         max_position_embeddings=131072,
