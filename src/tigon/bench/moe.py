@@ -69,7 +69,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import MethodType
@@ -136,20 +136,19 @@ class Block:
     liger_missing: str | None = None
 
 
+_QWEN3_MOE = Block(
+    "Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+    ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
+    Shape(experts=128, top_k=8, hidden=2048, intermediate=768, tokens=16384),
+    Shape(experts=8, top_k=4, hidden=32, intermediate=24, tokens=16),
+    config=dict(norm_topk_prob=True),
+)
 BLOCKS = {
-    "qwen3_moe": Block(
-        "Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
-        ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
-        Shape(experts=128, top_k=8, hidden=2048, intermediate=768, tokens=16384),
-        Shape(experts=8, top_k=4, hidden=32, intermediate=24, tokens=16),
-        config=dict(norm_topk_prob=True),
-    ),
-    "qwen3_235b": Block(
-        "Qwen3-235B-A22B", "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
-        ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
-        Shape(experts=128, top_k=8, hidden=4096, intermediate=1536, tokens=8192),
-        Shape(experts=8, top_k=4, hidden=48, intermediate=32, tokens=16),
-        config=dict(norm_topk_prob=True),
+    "qwen3_moe": _QWEN3_MOE,
+    "qwen3_235b": replace(
+        _QWEN3_MOE, title="Qwen3-235B-A22B",
+        shape=Shape(experts=128, top_k=8, hidden=4096, intermediate=1536, tokens=8192),
+        smoke=Shape(experts=8, top_k=4, hidden=48, intermediate=32, tokens=16),
     ),
     "olmoe": Block(
         "OLMoE-1B-7B", "olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
