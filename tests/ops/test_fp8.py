@@ -13,6 +13,7 @@ import torch
 
 import tigon.functional as tf
 from tigon.ops import fp8
+from tigon.ops.cross_entropy import launch_cross_entropy_fwd
 from tigon.testing import reference
 from utils import DEVICE, pick, randn
 
@@ -48,15 +49,23 @@ def _grads(loss, leaves):
     return torch.autograd.grad(loss, leaves)
 
 
-# Each recipe with the gradients computed in forward ("mean"), and with a bias and the recomputing
-# backward ("none").
+# Each recipe with the gradients computed in forward ("mean"), with a bias and the recomputing
+# backward ("none"), and with every option of the loss and a gradient scale per row (the tensorwise
+# recipe's dlogits then go from the logits straight to FP8: Fp8HeadMatmuls.cross_entropy_grad).
+OPTIONS = {"label_smoothing": 0.1, "lse_square_scale": 1e-2, "softcap": 3.0}
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize(("reduction", "bias"), [("mean", False), ("none", True)], ids=["mean", "none-bias"])
-def test_fp8_head_within_fp8_error(recipe, reduction, bias, scaled_mm_calls, monkeypatch):
+@pytest.mark.parametrize(("reduction", "bias", "options"), [("mean", False, {}), ("none", True, {}),
+                                                            ("none", False, OPTIONS)],
+                         ids=["mean", "none-bias", "none-options"])
+def test_fp8_head_within_fp8_error(recipe, reduction, bias, options, scaled_mm_calls, monkeypatch):
     x, weight, target, b, chunk_memory_bytes = _problem(CASES[0], bias)
-    # The weight gradient of every chunk after the first in two slices of rows, the second shorter.
+    # The weight gradient of every chunk (or group of chunks) after the first in two slices of rows,
+    # the second shorter; the tensorwise recipe without a bias computes it per two chunks.
     slice_rows = weight.shape[0] // 2 + 16
     monkeypatch.setattr(fp8, "GRAD_WEIGHT_SLICE_ROWS", slice_rows)
+    monkeypatch.setattr(fp8, "GRAD_WEIGHT_GROUP_ROWS", 2 * CASES[0][3])
     leaves = (x, weight) if b is None else (x, weight, b)
     n_valid = (target != -100).sum()
 
@@ -64,19 +73,21 @@ def test_fp8_head_within_fp8_error(recipe, reduction, bias, scaled_mm_calls, mon
         return loss if reduction == "mean" else loss.sum() / n_valid
 
     ours = mean_of(tf.fused_linear_cross_entropy(x, weight, target, b, reduction=reduction,
-                                                 chunk_memory_bytes=chunk_memory_bytes, fp8=recipe))
+                                                 chunk_memory_bytes=chunk_memory_bytes, fp8=recipe, **options))
     our_grads = _grads(ours, leaves)
     n_chunks = -(-target.numel() // CASES[0][3])
+    grouped = recipe == "tensorwise" and b is None
+    n_matmuls = -(-n_chunks // 2) if grouped else n_chunks
     # Per chunk: the logits and dx ("none" recomputes the logits in backward: once more), and dW
-    # in FP8 where the recipe says, in one matmul for the first chunk, then one per slice.
-    grad_weight_calls = 1 + (n_chunks - 1) * 2 if fp8.RECIPES[recipe].grad_weight_fp8 else 0
+    # in FP8 where the recipe says, in one matmul for the first chunk (or group), then one per slice.
+    grad_weight_calls = 1 + (n_matmuls - 1) * 2 if fp8.RECIPES[recipe].grad_weight_fp8 else 0
     expected = n_chunks * (2 + (reduction == "none")) + grad_weight_calls
     assert n_chunks > 1 and len(scaled_mm_calls) == expected, scaled_mm_calls
 
-    fp8_reference = reference.fused_linear_cross_entropy(x, weight, target, b, fp8=recipe)
+    fp8_reference = reference.fused_linear_cross_entropy(x, weight, target, b, fp8=recipe, **options)
     reference_grads = _grads(fp8_reference, leaves)
     truth = reference.fused_linear_cross_entropy(
-        x.double(), weight.double(), target, None if b is None else b.double())
+        x.double(), weight.double(), target, None if b is None else b.double(), **options)
     truth_grads = _grads(truth, leaves)
     if fp8.RECIPES[recipe].axiswise:
         assert abs(ours.item() - fp8_reference.item()) <= LOSS_TOLERANCE * abs(fp8_reference.item())
@@ -107,6 +118,41 @@ def test_cast_scales_and_pads():
     assert inverse.item() == 2.0 ** -7 and none is None  # 448 / 2 = 224, rounded down to 128
     none, (_, inverse_t) = fp8.cast(t, fp8.E4M3, None, "axiswise", power_of_2=True)
     assert none is None and inverse_t.reshape(-1).tolist() == [2.0 ** -8, 2.0 ** -7]
+
+
+@pytest.mark.parametrize("options", [{}, OPTIONS], ids=["plain", "options"])
+def test_cross_entropy_grad_goes_straight_to_fp8(options):
+    # 37 rows (some ignored, each with its own gradient scale) of 304 logits, partial tiles both ways.
+    n_rows, vocab = 37, 304
+    logits = (randn(n_rows, vocab) * 4).bfloat16()
+    target = torch.randint(0, vocab, (n_rows,), device=DEVICE)
+    target[::5] = -100
+    grad_scale = torch.rand(n_rows, device=DEVICE) + 0.5
+    z = logits.double().requires_grad_()
+    (truth,) = torch.autograd.grad(
+        (reference.cross_entropy(z, target, reduction="none", **options) * grad_scale).sum(), z)
+
+    loss, stats = torch.empty(n_rows, device=DEVICE), torch.empty(4, n_rows, device=DEVICE)
+    bound = torch.zeros(1, device=DEVICE)
+    launch_cross_entropy_fwd(logits, target, None, grad_scale, loss, None, -100, options.get("label_smoothing", 0.0),
+                             options.get("lse_square_scale", 0.0), options.get("softcap"), stats, bound)
+    torch.testing.assert_close(loss.double(), reference.cross_entropy(z, target, reduction="none", **options).detach(),
+                               rtol=1e-5, atol=1e-6)
+    matmuls = fp8.Fp8HeadMatmuls(randn(vocab, 32, dtype=torch.bfloat16), "tensorwise")
+    matmuls.cross_entropy_grad(logits, target, stats, bound, options.get("softcap"))
+    (q, inverse), (q_t, inverse_t) = matmuls.grad_cast[1], matmuls.grad_transposed[1]
+    amax = truth.abs().max().item()
+    # The bound is the gradient's largest magnitude (where a target's entry is, as here), as torchao's
+    # scale would take it.
+    assert bound.item() == pytest.approx(amax, rel=1e-5) and inverse.item() == pytest.approx(amax / 57344, rel=1e-5)
+    # Rounded once, fp32 → e5m2: within half a step (2 mantissa bits) of the fp64 gradient, or of a
+    # subnormal's step.
+    error = (q.double() * inverse.item() - truth).abs()
+    assert (error <= 2.0**-3 * truth.abs() + 2.0**-17 * inverse.item() + 1e-6 * amax).all()
+    assert not q[::5].double().any()
+    assert q_t.shape == (vocab, 48) and inverse_t is inverse
+    assert torch.equal(q_t[:, :n_rows].view(torch.uint8), q.t().view(torch.uint8))
+    assert not q_t[:, n_rows:].view(torch.uint8).any()
 
 
 def _torch_cast(t, dtype, dim, power_of_2):

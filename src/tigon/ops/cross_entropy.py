@@ -80,6 +80,25 @@ def softcapped(x, softcap):
 
 
 @triton.jit
+def logits_grad(x, cols, target, shift, prob_scale, smoothing_grad, target_grad, softcap,
+                HAS_SOFTCAP: tl.constexpr):
+    """dloss/dx of logits ``x`` at columns ``cols`` of rows with target ``target`` (any shapes
+    that broadcast): ``p·(1 + 2·s·lse) − ε/V − (1 − ε)·[j = t]`` times the reduction's factor,
+    ``p = exp(z − shift) / sum_exp``; the row's ``prob_scale = factor·(1 + 2·s·lse) / sum_exp``,
+    ``smoothing_grad = factor·ε/V``, ``target_grad = factor·(1 − ε)``. A row with
+    ``shift = +inf`` and zero factors has a zero gradient."""
+    z = x.to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcapped(z, softcap)
+    grad = tl.exp2((z - shift) * LOG2E) * prob_scale - smoothing_grad
+    grad = tl.where(cols == target, grad - target_grad, grad)
+    if HAS_SOFTCAP:
+        tanh = z / softcap
+        grad = grad * (1.0 - tanh * tanh)
+    return grad
+
+
+@triton.jit
 def store_zero_row(row, n_cols, BLOCK_V: tl.constexpr):
     """Zero ``n_cols`` elements from ``row`` in blocks of ``BLOCK_V``: the gradient of an ignored row."""
     cols = tl.arange(0, BLOCK_V)
@@ -90,16 +109,20 @@ def store_zero_row(row, n_cols, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def cross_entropy_fwd_kernel(
-    LOGITS, TARGET, GRAD, GRAD_SCALE, LOSS, Z_LOSS,
+    LOGITS, TARGET, GRAD, GRAD_SCALE, LOSS, Z_LOSS, ROW_STATS, GRAD_BOUND,
     n_rows, n_cols,
-    stride_logits, stride_target, stride_grad, stride_grad_scale,
+    stride_logits, stride_target, stride_grad, stride_grad_scale, stride_row_stats,
     ignore_index, label_smoothing, lse_square_scale, softcap,
     HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STORE_Z_LOSS: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, STORE_ROW_STATS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Persistent grid: program p handles rows p, p + P, ...; each row is read in blocks of BLOCK_V.
     # GRAD may be LOGITS itself: every block is read before the same block is written.
+    # With STORE_ROW_STATS, ROW_STATS [4, N] (row stride stride_row_stats) gets what logits_grad
+    # takes of each row (shift, prob_scale, smoothing_grad, target_grad), and GRAD_BOUND [1] the
+    # largest of the rows' bounds on their |gradient| (by atomic maximum), for a kernel that writes
+    # the gradient later, scaled by it.
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_V)
@@ -116,6 +139,10 @@ def cross_entropy_fwd_kernel(
                 tl.store(Z_LOSS + row, 0.0)
             if COMPUTE_GRAD:
                 store_zero_row(GRAD + tl.cast(row, tl.int64) * stride_grad, n_cols, BLOCK_V)
+            if STORE_ROW_STATS:
+                tl.store(ROW_STATS + row, float("inf"))
+                for stat in range(1, 4):
+                    tl.store(ROW_STATS + stat * stride_row_stats + row, 0.0)
         else:
             # The scalars needed after pass 1 are loaded first: their latency hides behind it.
             z_target = tl.load(logits_row + target).to(tl.float32)
@@ -161,26 +188,39 @@ def cross_entropy_fwd_kernel(
             if STORE_Z_LOSS:
                 tl.store(Z_LOSS + row, z_loss)
 
+            # The gradient's factors (logits_grad): dloss/dz = p·(1 + 2·s·lse) − ε/V − (1 − ε)·[j = t],
+            # times the reduction's factor, with p = exp(z − shift) / sum_exp.
+            prob_scale = grad_scale * (1.0 + 2.0 * lse_square_scale * lse) / sum_exp
+            smoothing_grad = grad_scale * label_smoothing / n_cols
+            target_grad = grad_scale * (1.0 - label_smoothing)
+            if STORE_ROW_STATS:
+                tl.store(ROW_STATS + row, shift)
+                tl.store(ROW_STATS + stride_row_stats + row, prob_scale)
+                tl.store(ROW_STATS + 2 * stride_row_stats + row, smoothing_grad)
+                tl.store(ROW_STATS + 3 * stride_row_stats + row, target_grad)
+                # The row's largest |gradient| (over the factor), exactly where the target's entry
+                # is the largest, as it is unless the row is confident: the target's entry
+                # p_t·c − ε/V − (1 − ε) with c = 1 + 2·s·lse, and at most the larger of the
+                # others' extremes p·c − ε/V at p = 1 / sum_exp (the largest p) and p = 0 (a
+                # softcap's 1 − tanh² only shrinks them).
+                spread = 1.0 + 2.0 * lse_square_scale * lse
+                p_target = tl.exp2((z_target - shift) * LOG2E) / sum_exp
+                target_term = tl.abs(p_target * spread - label_smoothing / n_cols - (1.0 - label_smoothing))
+                if HAS_SOFTCAP:
+                    target_term *= 1.0 - (z_target / softcap) * (z_target / softcap)
+                other_term = tl.maximum(tl.abs(spread / sum_exp - label_smoothing / n_cols), label_smoothing / n_cols)
+                tl.atomic_max(GRAD_BOUND, tl.abs(grad_scale) * tl.maximum(target_term, other_term))
+
             if COMPUTE_GRAD:
-                # Pass 2: dloss/dz = p·(1 + 2·s·lse) − ε/V − (1 − ε)·[j = t], times the
-                # reduction's factor, with p = exp(z − shift) / sum_exp. The row is walked
-                # backwards: the blocks pass 1 read last are the likeliest to still be in L2.
-                prob_scale = grad_scale * (1.0 + 2.0 * lse_square_scale * lse) / sum_exp
-                smoothing_grad = grad_scale * label_smoothing / n_cols
-                target_grad = grad_scale * (1.0 - label_smoothing)
+                # Pass 2, walking the row backwards: the blocks pass 1 read last are the likeliest
+                # to still be in L2.
                 grad_row = GRAD + tl.cast(row, tl.int64) * stride_grad
                 for block in range(0, n_blocks):
                     offs = (n_blocks - 1 - block) * BLOCK_V + cols
                     mask = offs < n_cols
                     z = tl.load(logits_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-                    z = z.to(tl.float32)
-                    if HAS_SOFTCAP:
-                        z = softcapped(z, softcap)
-                    grad = tl.exp2((z - shift) * LOG2E) * prob_scale - smoothing_grad
-                    grad = tl.where(offs == target, grad - target_grad, grad)
-                    if HAS_SOFTCAP:
-                        tanh = z / softcap
-                        grad = grad * (1.0 - tanh * tanh)
+                    grad = logits_grad(z, offs, target, shift, prob_scale, smoothing_grad, target_grad, softcap,
+                                       HAS_SOFTCAP)
                     tl.store(grad_row + offs, grad.to(GRAD.dtype.element_ty), mask=mask)
 
 
@@ -224,6 +264,7 @@ def launch_cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, grad: torch.Tensor | None, grad_scale: torch.Tensor | None,
     loss: torch.Tensor, z_loss: torch.Tensor | None,
     ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float | None,
+    row_stats: torch.Tensor | None = None, grad_bound: torch.Tensor | None = None,
 ) -> None:
     """Write the per-row loss and, when ``grad`` is given, the gradient of the loss.
 
@@ -237,17 +278,21 @@ def launch_cross_entropy_fwd(
             ``None`` for 1.
         loss, z_loss: ``[N]`` fp32 outputs; ``z_loss`` (``s·lse²``, included in ``loss``) may be
             ``None``.
+        row_stats, grad_bound: with the loss only, fp32 ``[4, N]`` (unit column stride) and the
+            zero-initialised ``[1]``: what :func:`logits_grad` takes of each row, and a bound on
+            the gradient's largest magnitude, for a later kernel that writes the gradient.
     """
     n_rows, n_cols = logits.shape
     block_v, num_warps, n_programs = vocab_row_geometry(n_rows, n_cols, logits.element_size(), logits.device)
     cross_entropy_fwd_kernel[(n_programs,)](
-        logits, target, grad, grad_scale, loss, z_loss,
+        logits, target, grad, grad_scale, loss, z_loss, row_stats, grad_bound,
         n_rows, n_cols,
         logits.stride(0), target.stride(0), 0 if grad is None else grad.stride(0),
         0 if grad_scale is None or grad_scale.numel() == 1 else grad_scale.stride(0),
+        0 if row_stats is None else row_stats.stride(0),
         ignore_index, label_smoothing, lse_square_scale, 1.0 if softcap is None else softcap,
         HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap is not None, STORE_Z_LOSS=z_loss is not None,
-        COMPUTE_GRAD=grad is not None, HAS_GRAD_SCALE=grad_scale is not None,
+        COMPUTE_GRAD=grad is not None, HAS_GRAD_SCALE=grad_scale is not None, STORE_ROW_STATS=row_stats is not None,
         BLOCK_V=block_v, num_warps=num_warps,
     )
 

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tigon.ops._launch import launch
+from tigon.ops._launch import interpreting, launch
+from tigon.ops.cross_entropy import logits_grad
 
 # The recipes' names, as torchao's Float8LinearConfig.from_recipe_name takes them.
 RecipeName = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -55,44 +56,60 @@ AMAX_EPS = 1e-12
 ALIGN = 16
 # Rows of the weight gradient computed per FP8 matmul after a chunk's first (then added).
 GRAD_WEIGHT_SLICE_ROWS = 16384
+# Rows (of x and dlogits: the matmul's inner dimension) that one FP8 matmul of the weight gradient
+# takes at most, from consecutive chunks whose dlogits the cross entropy casts itself
+# (Fp8HeadMatmuls.group_grad_weight): fewer [V, H] additions of partial products.
+GRAD_WEIGHT_GROUP_ROWS = 4096
 
 
 # The tile of rows and columns, and the warps, of the amax and cast kernels (the fastest of a
 # few on the H100, for a chunk of dlogits [2048, 128256]).
 AMAX_BLOCK_M, AMAX_BLOCK_K, AMAX_WARPS = 64, 64, 4
 CAST_BLOCK_M, CAST_BLOCK_K, CAST_WARPS = 64, 128, 8
+# The same for the cross entropy's gradient computed and cast in one pass (cross_entropy_grad_fp8_kernel).
+GRAD_CAST_BLOCK_M, GRAD_CAST_BLOCK_K, GRAD_CAST_WARPS = 64, 128, 4
 # How a copy made by fp8_cast_kernel is scaled (its ROW_SCALE and COLUMN_SCALE): not made, one
 # scale per row (or column) of the input, one for the whole input.
 NO_COPY, PER_SLICE, PER_TENSOR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # Adding then subtracting 2^23 rounds an fp32 in [0, 2^22) to an integer, to nearest even.
 ROUND_TO_INTEGER = tl.constexpr(8388608.0)
+# FP8 bytes by the GPU's conversion (one instruction per two values), else from the bits (fp8_code).
+HARDWARE_FP8_CAST = tl.constexpr(not interpreting())
 
 
 @triton.jit
 def fp8_code(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
     """The FP8 byte (sign, ``8 - 1 - MANT_BITS`` exponent bits of bias ``EXP_BIAS``, ``MANT_BITS``
-    mantissa bits) of fp32 ``y``, rounded to nearest even; ``|y|`` must not exceed the format's
-    largest finite value. Computed from the bits rather than by Triton's cast: its CPU interpreter
-    rounds fp32 → FP8 otherwise than the GPU (42 → 44 in e4m3, 31.6875 → 16)."""
-    sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7
-    magnitude = tl.abs(y)
-    exponent = ((magnitude.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-    # The format's spacing at |y|: 2^(e - MANT_BITS) for normals, 2^(1 - bias - MANT_BITS) below.
-    spacing_exponent = tl.maximum(exponent, 1 - EXP_BIAS) - MANT_BITS
-    spacing = ((spacing_exponent + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-    # Multiplying by powers of two is exact (a division would be approximate on the GPU).
-    per_spacing = ((127 - spacing_exponent).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-    rounded_steps = (magnitude * per_spacing + ROUND_TO_INTEGER) - ROUND_TO_INTEGER
-    rounded = rounded_steps * spacing
-    rounded_bits = rounded.to(tl.uint32, bitcast=True)
-    rounded_exponent = ((rounded_bits >> 23) & 0xFF).to(tl.int32) - 127
-    normal_code = ((rounded_exponent + EXP_BIAS).to(tl.uint32) << MANT_BITS) | (
-        (rounded_bits >> (23 - MANT_BITS)) & ((1 << MANT_BITS) - 1))
-    # Below the smallest normal, the code is the count of subnormal steps (the smallest normal's
-    # code where rounding reached it).
-    subnormal_code = rounded_steps.to(tl.uint32)
-    is_normal = rounded_exponent >= 1 - EXP_BIAS
-    return (tl.where(is_normal, normal_code, subnormal_code) | sign).to(tl.uint8)
+    mantissa bits: e4m3 or e5m2) of fp32 ``y``, rounded to nearest even; ``|y|`` must not exceed
+    the format's largest finite value. The GPU converts in hardware; Triton's CPU interpreter
+    rounds fp32 → FP8 otherwise than the GPU (42 → 44 in e4m3, 31.6875 → 16), so there the byte is
+    computed from the bits, as the GPU rounds."""
+    if HARDWARE_FP8_CAST:
+        if MANT_BITS == 3:
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        sign = (y.to(tl.uint32, bitcast=True) >> 31) << 7
+        magnitude = tl.abs(y)
+        exponent = ((magnitude.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+        # The format's spacing at |y|: 2^(e - MANT_BITS) for normals, 2^(1 - bias - MANT_BITS) below.
+        spacing_exponent = tl.maximum(exponent, 1 - EXP_BIAS) - MANT_BITS
+        spacing = ((spacing_exponent + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        # Multiplying by powers of two is exact (a division would be approximate on the GPU).
+        per_spacing = ((127 - spacing_exponent).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        rounded_steps = (magnitude * per_spacing + ROUND_TO_INTEGER) - ROUND_TO_INTEGER
+        rounded = rounded_steps * spacing
+        rounded_bits = rounded.to(tl.uint32, bitcast=True)
+        rounded_exponent = ((rounded_bits >> 23) & 0xFF).to(tl.int32) - 127
+        normal_code = ((rounded_exponent + EXP_BIAS).to(tl.uint32) << MANT_BITS) | (
+            (rounded_bits >> (23 - MANT_BITS)) & ((1 << MANT_BITS) - 1))
+        # Below the smallest normal, the code is the count of subnormal steps (the smallest
+        # normal's code where rounding reached it).
+        subnormal_code = rounded_steps.to(tl.uint32)
+        is_normal = rounded_exponent >= 1 - EXP_BIAS
+        code = (tl.where(is_normal, normal_code, subnormal_code) | sign).to(tl.uint8)
+    return code
 
 
 @triton.jit
@@ -119,39 +136,89 @@ def fp8_amax_kernel(
 
 
 @triton.jit
+def store_fp8_copies(
+    x, rows, cols, row_mask, col_mask, padded_rows, row_scale_ptr, column_scale_ptr, out_ptr, out_t_ptr,
+    out_row_stride, out_t_row_stride, ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr, LIMIT: tl.constexpr,
+    MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr,
+):
+    """The fp32 tile ``x`` (rows ``rows``, columns ``cols`` of an ``[M, K]`` tensor) scaled and
+    stored as FP8 bytes. Unless ``ROW_SCALE`` is ``NO_COPY``: into ``out [M, K]``, scaled by
+    ``row_scale [M]`` (``PER_SLICE``) or ``row_scale [1]`` (``PER_TENSOR``). Unless
+    ``COLUMN_SCALE`` is ``NO_COPY``: transposed into ``out_t [K, padded_rows]`` (``x`` must be
+    zero in its rows past ``M``), scaled by ``column_scale [K]`` or ``column_scale [1]``. Two copies
+    scaled per tensor share their scale (``row_scale``): their codes are computed once."""
+    if (ROW_SCALE == PER_TENSOR) & (COLUMN_SCALE == PER_TENSOR):
+        scaled = tl.minimum(tl.maximum(x * tl.load(row_scale_ptr), -LIMIT), LIMIT)
+        codes = fp8_code(scaled, MANT_BITS, EXP_BIAS)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :], codes,
+                 mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], tl.trans(codes),
+                 mask=col_mask[:, None] & (rows < padded_rows)[None, :])
+    else:
+        if ROW_SCALE != NO_COPY:
+            if ROW_SCALE == PER_SLICE:
+                scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=1.0)[:, None]
+            else:
+                scale = tl.load(row_scale_ptr)
+            scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
+                     fp8_code(scaled, MANT_BITS, EXP_BIAS), mask=row_mask[:, None] & col_mask[None, :])
+        if COLUMN_SCALE != NO_COPY:
+            if COLUMN_SCALE == PER_SLICE:
+                scale = tl.load(column_scale_ptr + cols, mask=col_mask, other=1.0)[None, :]
+            else:
+                scale = tl.load(column_scale_ptr)
+            scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
+            codes = tl.trans(fp8_code(scaled, MANT_BITS, EXP_BIAS))
+            tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], codes,
+                     mask=col_mask[:, None] & (rows < padded_rows)[None, :])
+
+
+@triton.jit
 def fp8_cast_kernel(
     x_ptr, row_scale_ptr, column_scale_ptr, out_ptr, out_t_ptr, n_rows, n_cols, padded_rows,
     x_row_stride, out_row_stride, out_t_row_stride,
     ROW_SCALE: tl.constexpr, COLUMN_SCALE: tl.constexpr, LIMIT: tl.constexpr, MANT_BITS: tl.constexpr,
     EXP_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Tile ``(program_id(0), program_id(1))`` of ``x [M, K]`` (unit column stride) scaled and cast
-    to FP8 bytes, read once for two copies. Unless ``ROW_SCALE`` is ``NO_COPY``: ``out [M, K]``,
-    scaled by ``row_scale [M]`` (``PER_SLICE``) or ``row_scale [1]`` (``PER_TENSOR``). Unless
-    ``COLUMN_SCALE`` is ``NO_COPY``: ``out_t [K, padded_rows]``, ``x`` transposed (its columns past
-    ``M`` zero), scaled by ``column_scale [K]`` or ``column_scale [1]``."""
+    """Tile ``(program_id(0), program_id(1))`` of ``x [M, K]`` (unit column stride) read once for
+    its two FP8 copies (:func:`store_fp8_copies`)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_mask, col_mask = rows < n_rows, cols < n_cols
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :],
                 mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    if ROW_SCALE != NO_COPY:
-        if ROW_SCALE == PER_SLICE:
-            scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=1.0)[:, None]
-        else:
-            scale = tl.load(row_scale_ptr)
-        scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
-                 fp8_code(scaled, MANT_BITS, EXP_BIAS), mask=row_mask[:, None] & col_mask[None, :])
-    if COLUMN_SCALE != NO_COPY:
-        if COLUMN_SCALE == PER_SLICE:
-            scale = tl.load(column_scale_ptr + cols, mask=col_mask, other=1.0)[None, :]
-        else:
-            scale = tl.load(column_scale_ptr)
-        scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
-        codes = tl.trans(fp8_code(scaled, MANT_BITS, EXP_BIAS))
-        tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], codes,
-                 mask=col_mask[:, None] & (rows < padded_rows)[None, :])
+    store_fp8_copies(x, rows, cols, row_mask, col_mask, padded_rows, row_scale_ptr, column_scale_ptr, out_ptr,
+                     out_t_ptr, out_row_stride, out_t_row_stride, ROW_SCALE, COLUMN_SCALE, LIMIT, MANT_BITS,
+                     EXP_BIAS)
+
+
+@triton.jit
+def cross_entropy_grad_fp8_kernel(
+    logits_ptr, target_ptr, row_stats_ptr, scale_ptr, out_ptr, out_t_ptr, n_rows, n_cols, padded_rows,
+    logits_row_stride, target_stride, row_stats_stride, out_row_stride, out_t_row_stride, softcap,
+    ROW_COPY: tl.constexpr, COLUMN_COPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LIMIT: tl.constexpr,
+    MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Tile ``(program_id(0), program_id(1))`` of the cross entropy's gradient with respect to
+    ``logits [M, K]`` (:func:`~tigon.ops.cross_entropy.logits_grad`, from the rows' statistics
+    ``row_stats [4, M]`` that the loss's kernel wrote), stored as its FP8 copies scaled by
+    ``scale [1]`` (:func:`store_fp8_copies`): the gradient is never stored in 16 bits."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_row_stride + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    # The padding rows (past M, up to padded_rows) get the zero gradient of an ignored row.
+    shift = tl.load(row_stats_ptr + rows, mask=row_mask, other=float("inf"))[:, None]
+    prob_scale = tl.load(row_stats_ptr + row_stats_stride + rows, mask=row_mask, other=0.0)[:, None]
+    smoothing_grad = tl.load(row_stats_ptr + 2 * row_stats_stride + rows, mask=row_mask, other=0.0)[:, None]
+    target_grad = tl.load(row_stats_ptr + 3 * row_stats_stride + rows, mask=row_mask, other=0.0)[:, None]
+    target = tl.load(target_ptr + rows * target_stride, mask=row_mask, other=-1)[:, None]
+    grad = logits_grad(x, cols[None, :], target, shift, prob_scale, smoothing_grad, target_grad, softcap,
+                       HAS_SOFTCAP)
+    store_fp8_copies(grad, rows, cols, row_mask, col_mask, padded_rows, scale_ptr, scale_ptr, out_ptr, out_t_ptr,
+                     out_row_stride, out_t_row_stride, ROW_COPY, COLUMN_COPY, LIMIT, MANT_BITS, EXP_BIAS)
 
 
 @dataclass(frozen=True)
@@ -341,6 +408,75 @@ class Fp8HeadMatmuls:
         # (the tensor, its transposed copy) of the current chunk, for dW.
         self.x_transposed: tuple[torch.Tensor, Fp8Operand] | None = None
         self.grad_transposed: tuple[torch.Tensor, Fp8Operand] | None = None
+        # (the chunk's logits, its dlogits' row-major copy) made by cross_entropy_grad, for dx.
+        self.grad_cast: tuple[torch.Tensor, Fp8Operand] | None = None
+        # Chunks whose dW is one matmul (group_grad_weight): dlogitsᵀ of each, side by side in
+        # grad_group [V, GRAD_WEIGHT_GROUP_ROWS], and each chunk's x with its dlogits' inverse scale.
+        self.grouped = False
+        self.grad_group: torch.Tensor | None = None
+        self.group_inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.group_columns = 0
+        self.grad_weight_written = False
+
+    @property
+    def casts_cross_entropy_grad(self) -> bool:
+        """Whether a cross entropy head may hand over its gradient as :meth:`cross_entropy_grad`
+        makes it: with one scale per tensor, which a bound on its magnitudes gives before it is
+        computed (a scale per row or column needs the gradient's own largest magnitudes)."""
+        return not self.recipe.axiswise
+
+    def group_grad_weight(self, chunk_rows: int) -> None:
+        """Compute dW over consecutive chunks of ``chunk_rows`` rows in one FP8 matmul, of up to
+        :data:`GRAD_WEIGHT_GROUP_ROWS` rows, instead of one per chunk each added to the others':
+        for chunks whose dlogits :meth:`cross_entropy_grad` casts (one scale per tensor) and whose
+        rows divide by 16 (so that only the last chunk's copy is padded). Each chunk keeps its own
+        dlogits scale ``d_j``; the matmul takes the first chunk's ``d_0``, and each chunk's ``x``
+        times ``d_j / d_0`` (exactly the same product), cast to FP8 with one scale for them all.
+        :meth:`finish_grad_weight` computes what is left after the last chunk."""
+        if self.casts_cross_entropy_grad and self.grad_weight_scaling is not None and chunk_rows % ALIGN == 0 \
+                and 2 * chunk_rows <= GRAD_WEIGHT_GROUP_ROWS:
+            self.grouped = True
+            self.grad_weight_scaling = None  # the chunks' x are cast for dW when their group is complete
+
+    def cross_entropy_grad(self, logits: torch.Tensor, target: torch.Tensor, row_stats: torch.Tensor,
+                           grad_bound: torch.Tensor, softcap: float | None) -> None:
+        """The cross entropy's dlogits of this chunk, computed from its ``logits [C, V]``,
+        ``target [C]`` and the loss kernel's ``row_stats [4, C]`` and ``grad_bound [1]``
+        (:func:`~tigon.ops.cross_entropy.launch_cross_entropy_fwd`), written straight to the FP8
+        copies that ``dx`` and ``dW`` take, scaled by ``max / grad_bound``: in one pass, without
+        a 16-bit dlogits or the pass that finds its largest magnitude. :meth:`grad_input` and
+        :meth:`accumulate_grad_weight` then take ``logits`` for the dlogits they stand for."""
+        limit = torch.finfo(self.recipe.grad_dtype).max
+        scale, inverse = _scales(grad_bound, limit, self.recipe.power_of_2_scales)
+        n_rows, n_cols = logits.shape
+        padded_rows = _aligned(n_rows)
+        out = logits.new_empty(logits.shape, dtype=self.recipe.grad_dtype) \
+            if self.weight_for_grad_input is not None else None
+        if self.grouped:
+            if self.grad_group is None:
+                self.grad_group = logits.new_empty((n_cols, GRAD_WEIGHT_GROUP_ROWS), dtype=self.recipe.grad_dtype)
+            out_t = self.grad_group[:, self.group_columns : self.group_columns + padded_rows]
+        elif self.grad_weight_scaling is not None:
+            out_t = logits.new_empty((n_cols, padded_rows), dtype=self.recipe.grad_dtype)
+        else:
+            out_t = None
+        mant_bits, exp_bias = FORMATS[self.recipe.grad_dtype]
+        if padded_rows * n_cols:
+            launch(
+                cross_entropy_grad_fp8_kernel,
+                (triton.cdiv(padded_rows, GRAD_CAST_BLOCK_M), triton.cdiv(n_cols, GRAD_CAST_BLOCK_K)),
+                logits, target, row_stats, scale, None if out is None else out.view(torch.uint8),
+                None if out_t is None else out_t.view(torch.uint8), n_rows, n_cols, padded_rows, logits.stride(0),
+                target.stride(0), row_stats.stride(0), n_cols, 0 if out_t is None else out_t.stride(0),
+                1.0 if softcap is None else softcap,
+                ROW_COPY=(NO_COPY if out is None else PER_TENSOR).value,
+                COLUMN_COPY=(NO_COPY if out_t is None else PER_TENSOR).value, HAS_SOFTCAP=softcap is not None,
+                LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias, BLOCK_M=GRAD_CAST_BLOCK_M,
+                BLOCK_K=GRAD_CAST_BLOCK_K, num_warps=GRAD_CAST_WARPS,
+            )
+        inverse = inverse.reshape(())
+        self.grad_cast = None if out is None else (logits, (out, inverse))
+        self.grad_transposed = None if out_t is None else (logits, (out_t, inverse))
 
     def logits(self, x_chunk: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
         """``out [C, V] = x_chunk @ Wᵀ (+ bias)``."""
@@ -353,10 +489,13 @@ class Fp8HeadMatmuls:
 
     def grad_input(self, dlogits: torch.Tensor, out: torch.Tensor | None, alpha: float) -> torch.Tensor:
         """``dlogits [C, V] @ W`` times ``alpha``, into ``out [C, H]`` (a new tensor when ``None``)."""
-        pow2 = self.recipe.power_of_2_scales
-        (grad_fp8, grad_inverse), grad_t = cast(
-            dlogits, self.recipe.grad_dtype, self.scaling, self.grad_weight_scaling, pow2)
-        self.grad_transposed = None if grad_t is None else (dlogits, grad_t)
+        cast_grad, self.grad_cast = self.grad_cast, None
+        if cast_grad is not None and cast_grad[0] is dlogits:
+            grad_fp8, grad_inverse = cast_grad[1]
+        else:
+            (grad_fp8, grad_inverse), grad_t = cast(
+                dlogits, self.recipe.grad_dtype, self.scaling, self.grad_weight_scaling, self.recipe.power_of_2_scales)
+            self.grad_transposed = None if grad_t is None else (dlogits, grad_t)
         weight_fp8, weight_inverse = self.weight_for_grad_input
         return scaled_mm(grad_fp8, weight_fp8, grad_inverse, weight_inverse, self.dtype, out, alpha)
 
@@ -371,9 +510,17 @@ class Fp8HeadMatmuls:
 
     def accumulate_grad_weight(self, grad_weight: torch.Tensor, dlogits: torch.Tensor, x_chunk: torch.Tensor,
                                first: bool, alpha: float) -> None:
-        """``grad_weight [V, H] (+)= alpha · dlogitsᵀ @ x_chunk`` (written when ``first``)."""
+        """``grad_weight [V, H] (+)= alpha · dlogitsᵀ @ x_chunk`` (written when ``first``); in a
+        group (:meth:`group_grad_weight`), when the group is complete."""
         if not self.recipe.grad_weight_fp8:
             grad_weight.addmm_(dlogits.t(), x_chunk, beta=0 if first else 1, alpha=alpha)
+            return
+        if self.grouped:
+            (_, (_, grad_inverse)), self.grad_transposed = self.grad_transposed, None
+            self.group_inputs.append((x_chunk, grad_inverse))
+            self.group_columns += _aligned(x_chunk.shape[0])
+            if self.group_columns + x_chunk.shape[0] > GRAD_WEIGHT_GROUP_ROWS:
+                self.finish_grad_weight(grad_weight, alpha)
             return
         kept_grad, kept_x, self.grad_transposed, self.x_transposed = self.grad_transposed, self.x_transposed, None, None
         grad_t, grad_inverse = self._transposed(kept_grad, dlogits, self.recipe.grad_dtype)
@@ -381,15 +528,34 @@ class Fp8HeadMatmuls:
         # dlogitsᵀ [V, C'] row-major and x [C', H] column-major (the rows past C zero in both);
         # x's per-column scales are per column of the product.
         x_inverse = x_inverse.reshape(1, -1) if self.recipe.axiswise else x_inverse
+        self._grad_weight_matmul(grad_weight, grad_t, grad_inverse, x_t, x_inverse, first, alpha)
+
+    def finish_grad_weight(self, grad_weight: torch.Tensor | None, alpha: float) -> None:
+        """The weight gradient of the chunks of the current group (:meth:`group_grad_weight`)."""
+        if not self.group_inputs:
+            return
+        inputs, columns, self.group_inputs, self.group_columns = self.group_inputs, self.group_columns, [], 0
+        first_inverse = inputs[0][1]
+        # x_j · (d_j / d_0) in fp32, so that one scale of dlogits, d_0, stands for every chunk's.
+        x_group = torch.cat([x.float() * (inverse / first_inverse) for x, inverse in inputs])
+        _, (x_t, x_inverse) = cast(x_group, E4M3, None, "tensorwise", False)
+        self._grad_weight_matmul(grad_weight, self.grad_group[:, :columns], first_inverse, x_t, x_inverse,
+                                 not self.grad_weight_written, alpha)
+
+    def _grad_weight_matmul(self, grad_weight: torch.Tensor, grad_t: torch.Tensor, grad_inverse: torch.Tensor,
+                            x_t: torch.Tensor, x_inverse: torch.Tensor, first: bool, alpha: float) -> None:
+        """``grad_weight (+)= alpha · (grad_t · grad_inverse) @ (x_t · x_inverse)ᵀ`` (written when
+        ``first``), from ``grad_t [V, K]`` and ``x_t [H, K]`` row-major in FP8."""
+        self.grad_weight_written = True
         if first:
             scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_weight.dtype, grad_weight, alpha)
             return
         # An FP8 matmul cannot add to its output: each slice of rows of the product goes through a
-        # small buffer (kept in L2) and is added from there, not a whole [V, H] temporary.
+        # smaller buffer and is added from there, not a whole [V, H] temporary.
         partial = grad_weight.new_empty((min(GRAD_WEIGHT_SLICE_ROWS, grad_weight.shape[0]), grad_weight.shape[1]))
         for start in range(0, grad_weight.shape[0], GRAD_WEIGHT_SLICE_ROWS):
             rows = slice(start, start + GRAD_WEIGHT_SLICE_ROWS)
             out = partial[: grad_t[rows].shape[0]]
-            scaled_mm(grad_t[rows], x_t.t(), grad_inverse[rows] if self.recipe.axiswise else grad_inverse, x_inverse,
+            scaled_mm(grad_t[rows], x_t.t(), grad_inverse[rows] if grad_inverse.dim() else grad_inverse, x_inverse,
                       grad_weight.dtype, out, alpha)
             grad_weight[rows].add_(out)

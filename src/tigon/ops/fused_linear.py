@@ -159,6 +159,9 @@ class HeadMatmuls:
                                first: bool, alpha: float) -> None:
         grad_weight.addmm_(dlogits.t(), x_chunk, beta=0 if first else 1, alpha=alpha)
 
+    def finish_grad_weight(self, grad_weight: torch.Tensor | None, alpha: float) -> None:
+        """Nothing is left after the last chunk (the FP8 matmuls may leave a group of chunks)."""
+
 
 def head_matmuls(weight: torch.Tensor, fp8: str | None, grad_input_needed: bool = True,
                  grad_weight_needed: bool = True):
@@ -228,3 +231,5 @@ def fused_linear_chunks(
                 grad_bias.add_(logits.sum(0, dtype=torch.float32), alpha=matmul_scale)
             else:
                 grad_bias.add_(row_scale.to(logits.dtype) @ logits, alpha=matmul_scale)
+    if grad_weight is not None:
+        matmuls.finish_grad_weight(grad_weight, matmul_scale)

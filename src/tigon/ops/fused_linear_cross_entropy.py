@@ -39,6 +39,7 @@ from tigon.ops.cross_entropy import (
     shaped_losses,
     target_bounds,
 )
+from tigon.ops.fp8 import Fp8HeadMatmuls
 from tigon.ops.fused_linear import (
     chunk_rows_for,
     fused_linear_chunks,
@@ -59,20 +60,36 @@ def _chunked_cross_entropy(
     ``None``) and every gradient by the host number ``matmul_scale``; the matmuls in FP8 by the
     recipe ``fp8`` (:mod:`tigon.ops.fp8`) unless it is ``None``."""
     compute_grad = grad_input is not None or grad_weight is not None or grad_bias is not None
+    matmuls = head_matmuls(weight, fp8, grad_input is not None, grad_weight is not None)
+    # In FP8 with one scale per tensor, dlogits go from the logits straight to their FP8 copies
+    # (Fp8HeadMatmuls.cross_entropy_grad); a bias's gradient needs them in 16 bits.
+    grad_to_fp8 = compute_grad and grad_bias is None and isinstance(matmuls, Fp8HeadMatmuls) \
+        and matmuls.casts_cross_entropy_grad
+    if grad_to_fp8:
+        matmuls.group_grad_weight(chunk_rows)
+        row_stats = x2d.new_empty((4, chunk_rows), dtype=torch.float32)
+        grad_bounds = x2d.new_zeros(-(x2d.shape[0] // -chunk_rows), dtype=torch.float32)
 
     def cross_entropy_head(ranges, logits):
         ((start, end),) = ranges
         chunk_scale = grad_scale if grad_scale is None or grad_scale.numel() == 1 else grad_scale[start:end]
+        if not grad_to_fp8:
+            launch_cross_entropy_fwd(
+                logits, target[start:end], logits if compute_grad else None, chunk_scale,
+                loss[start:end], None if z_loss is None else z_loss[start:end],
+                ignore_index, label_smoothing, lse_square_scale, softcap,
+            )
+            return
+        stats, bound = row_stats[:, : end - start], grad_bounds[start // chunk_rows :][:1]
         launch_cross_entropy_fwd(
-            logits, target[start:end], logits if compute_grad else None, chunk_scale,
-            loss[start:end], None if z_loss is None else z_loss[start:end],
-            ignore_index, label_smoothing, lse_square_scale, softcap,
+            logits, target[start:end], None, chunk_scale, loss[start:end], None if z_loss is None else z_loss[start:end],
+            ignore_index, label_smoothing, lse_square_scale, softcap, stats, bound,
         )
+        matmuls.cross_entropy_grad(logits, target[start:end], stats, bound, softcap)
 
     fused_linear_chunks(
         x2d, weight, bias, row_chunks(x2d.shape[0], chunk_rows), cross_entropy_head,
-        grad_input, grad_weight, grad_bias, matmul_scale,
-        matmuls=head_matmuls(weight, fp8, grad_input is not None, grad_weight is not None),
+        grad_input, grad_weight, grad_bias, matmul_scale, matmuls=matmuls,
     )
 
 
