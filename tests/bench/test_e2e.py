@@ -8,9 +8,11 @@ import json
 import math
 
 import pytest
+import torch
 
 from tigon.bench import main
 from tigon.bench.e2e import FULL_TIGON, Job, job_args, parse_args, plan_jobs, run_job
+from tigon.bench.e2e_models import build_model, with_lora
 from utils import ON_GPU
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -40,6 +42,19 @@ def test_each_family_trains_as_hugging_face_with_tigon(model, hugging_face_modul
         assert hf["experts"].endswith("(grouped_mm)") and tigon["experts"].endswith("(tigon)"), tigon["experts"]
     assert hf["attention"] == ("eager" if model == "gpt_oss" and not ON_GPU else
                                "flex_attention" if model == "gpt_oss" else "sdpa")
+
+
+def test_lora_on_the_experts_trains_as_hugging_face_with_tigon(hugging_face_modules_restored):
+    args = smoke_args("--model", "qwen3_moe", "--lora")
+    adapted = with_lora(build_model("hf", 2, DEVICE, model="qwen3_moe", dtype=torch.float32, tiny=True))
+    adapters = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, _ in adapted.named_parameters() if ".lora_" in name}
+    assert {"q_proj", "o_proj", "experts", "base_layer"} <= adapters, adapters  # both stacked weights of the experts
+    hf, tigon = (run_job(args, Job("train", "qwen3_moe", setup), DEVICE) for setup in ("hf", "tigon"))
+    for result in (hf, tigon):
+        assert "error" not in result, result["traceback"]
+        assert result["lora"] == "LoRA" and result["label"].endswith("+ PEFT LoRA")
+    assert tigon["experts"].endswith("(tigon)")
+    assert tigon["losses"] == pytest.approx(hf["losses"], rel=1e-5)
 
 
 @pytest.fixture
@@ -148,7 +163,8 @@ def test_sizes_default_per_loop_and_model():
         (["--gpus", "2", "--budget", "hf"], "--gpus above 1 and --budget do not combine"),
         (["--gpus", "0"], "--gpus takes counts of at least 1"),
         (["--smoke", "--cuda-graph"], "--cuda-graph measure(s) a GPU: not with --smoke"),
-        (["--lora", "--model", "deepseek_v3"], "--lora and --qlora train the Llama models only"),
+        (["--lora", "--model", "deepseek_v3"], "--lora trains the Llama models and Qwen3-MoE only"),
+        (["--qlora", "--model", "qwen3_moe"], "--qlora trains the Llama models only"),
         (["--steps", "0"], "--steps takes at least 1"),
         (["--setups", "hf", "tigon_fp8"], "the tigon_fp8 setup(s) train in FP8: they need --fp8 RECIPE"),
         (["--fp8", "rowwise", "--lora"], "--fp8 and --lora do not combine (yet)"),

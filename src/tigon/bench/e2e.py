@@ -23,8 +23,10 @@ where they were allocated.
 
 ``--lora`` trains PEFT LoRA adapters instead (r 16, alpha 32, no dropout, on q, k, v, o, gate, up
 and down; fp32 adapters on the bf16 model), AdamW on the adapters only, and adds tigon's full
-fine-tuning of the same model and batch for scale. ``--qlora`` does the same over a 4-bit base: the
-decoder's linear layers as bitsandbytes NF4 layers computing in bf16.
+fine-tuning of the same model and batch for scale; on Qwen3-MoE (``--model qwen3_moe``) the
+adapters are on the attention's projections and the experts' stacked weights (PEFT's
+``target_parameters``). ``--qlora`` does the same over a 4-bit base (Llama): the decoder's linear
+layers as bitsandbytes NF4 layers computing in bf16.
 
 ``--budget hf`` trains each setup at its best gradient checkpointing within one memory budget:
 Hugging Face's own peak with every layer recomputed (``--budget 30`` gives GiB instead). Each
@@ -611,7 +613,8 @@ def plot(record: dict, path: Path) -> None:
     what = {"train": "training step", "sft": "TRL SFTTrainer", "grpo": "GRPO log-probs, forward + backward"}
     lora = first.get("lora")
     if lora:
-        what["train"] = f"PEFT {'QLoRA (NF4 base)' if lora == 'QLoRA' else 'LoRA'} r 16 on all linear layers"
+        targets = "attention and experts" if first.get("experts") else "all linear layers"
+        what["train"] = f"PEFT {'QLoRA (NF4 base)' if lora == 'QLoRA' else 'LoRA'} r 16 on {targets}"
     checkpointing = "gradient checkpointing"
     if "checkpointing" in first:
         checkpointing = f"checkpointing fitted to {first['checkpointing']['budget_gib']:.1f} GiB"
@@ -759,8 +762,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         # pool (1.1 GiB over the budget for the 1B at batch 1 x 1024), so the budget would not hold.
         parser.error("--cuda-graph and --budget do not combine: the budget is probed with eager steps")
     llama = {"llama", "llama_1b"}
-    if lora and not set(args.model) <= llama:
-        parser.error("--lora and --qlora train the Llama models only (--model llama llama_1b)")
+    if args.qlora and not set(args.model) <= llama:
+        parser.error("--qlora trains the Llama models only (--model llama llama_1b)")
+    if args.lora and not set(args.model) <= llama | {"qwen3_moe"}:
+        parser.error("--lora trains the Llama models and Qwen3-MoE only (--model llama llama_1b qwen3_moe)")
     if args.router_aux_loss and not any(MODELS[model].router_aux_loss for model in args.model):
         parser.error("--router-aux-loss needs a mixture of experts (--model qwen3_moe)")
     if args.trl:

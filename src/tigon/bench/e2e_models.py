@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture of experts' stacked weights [E, out, in] (transformers 5's experts modules).
+LORA_EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # The tiny models' shared sizes: hidden 64, 4 heads of 16, vocab 512.
 TINY_TEXT = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 
@@ -225,10 +227,13 @@ def experts_in(model) -> str | None:
 
 def with_lora(model):
     """``model`` with PEFT LoRA adapters (r 16, alpha 32, no dropout) on every linear layer of its
-    decoder; PEFT's defaults otherwise, so fp32 adapters on a bf16 model."""
+    decoder and on its experts' stacked weights (PEFT's ``target_parameters``); PEFT's defaults
+    otherwise, so fp32 adapters on a bf16 model."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
+    experts = [name for name in LORA_EXPERT_TARGETS if any(path.endswith(name) for path, _ in model.named_parameters())]
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+                                            target_parameters=experts or None))
 
 
 def quantize_4bit(model, compute_dtype=torch.bfloat16):
