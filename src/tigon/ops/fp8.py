@@ -32,6 +32,13 @@ matmuls that take it (:func:`cast`): one kernel finds the largest magnitudes of 
 or whole (:func:`fp8_amax_kernel`), a second (:func:`fp8_cast_kernel`) reads it again and writes
 its row-major and transposed FP8 copies, each with its own scales, rounding to nearest even as
 ``.to(float8)`` does.
+
+With one scale per tensor, the cross entropy's dlogits skip both: the loss's kernel writes each
+row's statistics, from which the chunk's largest gradient magnitude is known before the gradient
+is (:func:`~tigon.ops.cross_entropy.launch_cross_entropy_fwd`), and
+:func:`cross_entropy_grad_fp8_kernel` computes dlogits tile by tile straight into their two FP8
+copies (:meth:`Fp8HeadMatmuls.cross_entropy_grad`). Their ``dW`` then spans several chunks per
+matmul (:meth:`Fp8HeadMatmuls.group_grad_weight`).
 """
 
 from __future__ import annotations
