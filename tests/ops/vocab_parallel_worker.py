@@ -47,11 +47,13 @@ FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # two whole completions, 10 less than one, so GSPO's and VESPO's losses take two passes); api "group"
 # (plain shards and process_group), "dtensor" (a DTensor weight, a plain input) or
 # "dtensor_input" (the input a DTensor placed Replicate(), its gradient Partial).
+# The fused cross entropy's reduction × API × bias grid.
+FLCE_GRID: dict[str, tuple[str, str, bool, dict]] = {
+    f"flce-{reduction}-{api}{'-bias' if bias else ''}": ("flce", api, bias, dict(reduction=reduction))
+    for reduction in ("mean", "sum", "none") for api in ("group", "dtensor") for bias in (False, True)
+}
 CASES: dict[str, tuple[str, str, bool, dict]] = {
-    **{
-        f"flce-{reduction}-{api}{'-bias' if bias else ''}": ("flce", api, bias, dict(reduction=reduction))
-        for reduction in ("mean", "sum", "none") for api in ("group", "dtensor") for bias in (False, True)
-    },
+    **FLCE_GRID,
     **{
         f"flce-options-{reduction}": ("flce", "group", True, dict(reduction=reduction, return_z_loss=True, **ALL_OPTIONS))
         for reduction in ("mean", "none")
@@ -76,17 +78,14 @@ CASES: dict[str, tuple[str, str, bool, dict]] = {
     "grpo-vespo-dtensor_input": ("grpo", "dtensor_input", False, dict(loss_type="vespo", beta=0.05)),
 }
 
-# On 4 ranks, the reduction × API × bias grid of the fused cross entropy is run in two of its cases
-# (2 ranks run it all): the rest of it goes through the same code, split in two shards instead of
-# four. Every other case runs on both.
+# On 4 ranks, FLCE_GRID is run in two of its cases (2 ranks run it all): the rest of it goes
+# through the same code, split in two shards instead of four. Every other case runs on both.
 FLCE_GRID_ON_FOUR_RANKS = ("flce-mean-group-bias", "flce-none-dtensor")
 
 
 def cases_for(world_size: int) -> list[str]:
     """The names of the cases run on ``world_size`` ranks."""
-    return [name for name, (kind, api, bias, options) in CASES.items()
-            if world_size == 2 or set(options) != {"reduction"} or kind != "flce" or api == "dtensor_input"
-            or name in FLCE_GRID_ON_FOUR_RANKS]
+    return [name for name in CASES if world_size == 2 or name not in FLCE_GRID or name in FLCE_GRID_ON_FOUR_RANKS]
 
 
 def problem(bias: bool, seed: int = 0):

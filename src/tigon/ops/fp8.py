@@ -154,31 +154,25 @@ def store_fp8_copies(
     ``COLUMN_SCALE`` is ``NO_COPY``: transposed into ``out_t [K, padded_rows]`` (``x`` must be
     zero in its rows past ``M``), scaled by ``column_scale [K]`` or ``column_scale [1]``. Two copies
     scaled per tensor share their scale (``row_scale``): their codes are computed once."""
-    if (ROW_SCALE == PER_TENSOR) & (COLUMN_SCALE == PER_TENSOR):
-        scaled = tl.minimum(tl.maximum(x * tl.load(row_scale_ptr), -LIMIT), LIMIT)
-        codes = fp8_code(scaled, MANT_BITS, EXP_BIAS)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :], codes,
+    if ROW_SCALE != NO_COPY:
+        if ROW_SCALE == PER_SLICE:
+            scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        else:
+            scale = tl.load(row_scale_ptr)
+        row_codes = fp8_code(tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :], row_codes,
                  mask=row_mask[:, None] & col_mask[None, :])
-        tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], tl.trans(codes),
-                 mask=col_mask[:, None] & (rows < padded_rows)[None, :])
-    else:
-        if ROW_SCALE != NO_COPY:
-            if ROW_SCALE == PER_SLICE:
-                scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=1.0)[:, None]
-            else:
-                scale = tl.load(row_scale_ptr)
-            scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
-                     fp8_code(scaled, MANT_BITS, EXP_BIAS), mask=row_mask[:, None] & col_mask[None, :])
-        if COLUMN_SCALE != NO_COPY:
+    if COLUMN_SCALE != NO_COPY:
+        if (ROW_SCALE == PER_TENSOR) & (COLUMN_SCALE == PER_TENSOR):
+            codes = row_codes
+        else:
             if COLUMN_SCALE == PER_SLICE:
                 scale = tl.load(column_scale_ptr + cols, mask=col_mask, other=1.0)[None, :]
             else:
                 scale = tl.load(column_scale_ptr)
-            scaled = tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT)
-            codes = tl.trans(fp8_code(scaled, MANT_BITS, EXP_BIAS))
-            tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], codes,
-                     mask=col_mask[:, None] & (rows < padded_rows)[None, :])
+            codes = fp8_code(tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
+        tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], tl.trans(codes),
+                 mask=col_mask[:, None] & (rows < padded_rows)[None, :])
 
 
 @triton.jit

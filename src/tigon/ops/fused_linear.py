@@ -141,6 +141,9 @@ class HeadMatmuls:
     """The chunk loop's three matmuls over ``weight [V, H]`` in its dtype (cuBLAS, fp32
     accumulation); :class:`tigon.ops.fp8.Fp8HeadMatmuls` is the FP8 one."""
 
+    # Whether a cross entropy head hands over dlogits already cast (only FP8 ones cast).
+    casts_cross_entropy_grad = False
+
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 

@@ -39,7 +39,6 @@ from tigon.ops.cross_entropy import (
     shaped_losses,
     target_bounds,
 )
-from tigon.ops.fp8 import Fp8HeadMatmuls
 from tigon.ops.fused_linear import (
     chunk_rows_for,
     fused_linear_chunks,
@@ -63,8 +62,7 @@ def _chunked_cross_entropy(
     matmuls = head_matmuls(weight, fp8, grad_input is not None, grad_weight is not None)
     # In FP8 with one scale per tensor, dlogits go from the logits straight to their FP8 copies
     # (Fp8HeadMatmuls.cross_entropy_grad); a bias's gradient needs them in 16 bits.
-    grad_to_fp8 = compute_grad and grad_bias is None and isinstance(matmuls, Fp8HeadMatmuls) \
-        and matmuls.casts_cross_entropy_grad
+    grad_to_fp8 = compute_grad and grad_bias is None and matmuls.casts_cross_entropy_grad
     if grad_to_fp8:
         matmuls.group_grad_weight(chunk_rows)
         row_stats = x2d.new_empty((4, chunk_rows), dtype=torch.float32)
@@ -73,19 +71,15 @@ def _chunked_cross_entropy(
     def cross_entropy_head(ranges, logits):
         ((start, end),) = ranges
         chunk_scale = grad_scale if grad_scale is None or grad_scale.numel() == 1 else grad_scale[start:end]
-        if not grad_to_fp8:
-            launch_cross_entropy_fwd(
-                logits, target[start:end], logits if compute_grad else None, chunk_scale,
-                loss[start:end], None if z_loss is None else z_loss[start:end],
-                ignore_index, label_smoothing, lse_square_scale, softcap,
-            )
-            return
-        stats, bound = row_stats[:, : end - start], grad_bounds[start // chunk_rows :][:1]
+        # The gradient over the logits, or (grad_to_fp8) the rows' statistics for the FP8 one.
+        grad = logits if compute_grad and not grad_to_fp8 else None
+        stats_and_bound = (row_stats[:, : end - start], grad_bounds[start // chunk_rows :][:1]) if grad_to_fp8 else ()
         launch_cross_entropy_fwd(
-            logits, target[start:end], None, chunk_scale, loss[start:end], None if z_loss is None else z_loss[start:end],
-            ignore_index, label_smoothing, lse_square_scale, softcap, stats, bound,
+            logits, target[start:end], grad, chunk_scale, loss[start:end], None if z_loss is None else z_loss[start:end],
+            ignore_index, label_smoothing, lse_square_scale, softcap, *stats_and_bound,
         )
-        matmuls.cross_entropy_grad(logits, target[start:end], stats, bound, softcap)
+        if grad_to_fp8:
+            matmuls.cross_entropy_grad(logits, target[start:end], *stats_and_bound, softcap)
 
     fused_linear_chunks(
         x2d, weight, bias, row_chunks(x2d.shape[0], chunk_rows), cross_entropy_head,
