@@ -497,25 +497,33 @@ def _check_gated_mlp_args(
     for projection, weight in (("gate", gate_weight), ("up", up_weight), ("down", down_weight)):
         lora = loras[projection]
         if lora is not None:
-            if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
-                raise TypeError(f"{projection}_lora must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
             n_out, n_in = weight.shape
-            _check_adapter(n_out, n_in, *lora, owner=f"{projection}_lora")
+            _check_adapter(n_out, n_in, *_adapter_tuple(f"{projection}_lora", lora), owner=f"{projection}_lora")
             check_same_device(x=x, **{f"{projection}_lora[0] (lora_a)": lora[0]})
+
+
+def _adapter_tuple(name: str, lora) -> LoraAdapter:
+    if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
+        raise TypeError(f"{name} must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
+    return tuple(lora)
 
 
 def _check_adapter(
     n_out: int, n_in: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, owner: str | None = None,
+    n_experts: int | None = None,
 ) -> None:
-    """An adapter ``lora_a [r, n_in]``, ``lora_b [n_out, r]`` (any float dtype) and its scaling;
-    ``owner`` names the argument that holds them (an MLP's ``gate_lora``), if not the function."""
+    """An adapter ``lora_a [r, n_in]``, ``lora_b [n_out, r]`` (any float dtype) and its scaling, or
+    one per expert (``[E, r, n_in]``, ``[E, n_out, r]``) with ``n_experts``; ``owner`` names the
+    argument that holds them (an MLP's ``gate_lora``), if not the function."""
     names = {name: name if owner is None else f"{owner}[{index}] ({name})"
              for index, name in enumerate(("lora_a", "lora_b", "scaling"))}
-    check_tensor(names["lora_a"], lora_a, dim=2)
-    check_tensor(names["lora_b"], lora_b, dim=2)
-    rank = lora_a.shape[0]
-    check_shape(names["lora_a"], lora_a, (rank, n_in), "[rank, in_features of the base weight]")
-    check_shape(names["lora_b"], lora_b, (n_out, rank), "[out_features of the base weight, rank of lora_a]")
+    experts, per_expert = ((), "") if n_experts is None else ((n_experts,), "E, ")
+    check_tensor(names["lora_a"], lora_a, dim=2 + len(experts))
+    check_tensor(names["lora_b"], lora_b, dim=2 + len(experts))
+    rank = lora_a.shape[len(experts)]
+    check_shape(names["lora_a"], lora_a, (*experts, rank, n_in), f"[{per_expert}rank, in_features of the base weight]")
+    check_shape(names["lora_b"], lora_b, (*experts, n_out, rank),
+                f"[{per_expert}out_features of the base weight, rank of lora_a]")
     check_numbers(**{names["scaling"]: scaling})
     check_same_device(**{names["lora_a"]: lora_a, names["lora_b"]: lora_b})
 
@@ -668,6 +676,7 @@ def _check_gate_up_layout(gate_up_proj: torch.Tensor, n_hidden: int, transposed:
 def _check_moe_args(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, transposed: bool,
+    loras: dict[str, LoraAdapter | None],
 ) -> None:
     check_tensor("hidden_states", hidden_states, dim=2)
     check_tensor("top_k_index", top_k_index, dtypes=INDEX_DTYPES, dim=2)
@@ -694,6 +703,16 @@ def _check_moe_args(
                      gate_up_bias=gate_up_bias, down_bias=down_bias)
     check_same_device(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
                       gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias, down_bias=down_bias)
+    for projection, (n_out, n_in) in (("gate_up", (2 * n_inter, n_hidden)), ("down", (n_hidden, n_inter))):
+        name = f"{projection}_lora"
+        if loras[projection] is not None:
+            lora_a, lora_b, scaling = _adapter_tuple(name, loras[projection])
+            _check_adapter(n_out, n_in, lora_a, lora_b, scaling, owner=name, n_experts=n_experts)
+            # The adapter's rank-space rows are computed in the experts' dtype and meet its factors
+            # on the tensor cores: one dtype for all.
+            check_same_dtype(hidden_states=hidden_states, **{f"{name}[0] (lora_a)": lora_a,
+                                                             f"{name}[1] (lora_b)": lora_b})
+            check_same_device(hidden_states=hidden_states, **{f"{name}[0] (lora_a)": lora_a})
 
 
 def _expert_id_bounds(top_k_index: torch.Tensor) -> Any:
@@ -725,7 +744,8 @@ def moe_experts(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
     gate: MoEGate = "swiglu", transposed: bool = False, interleaved: bool = False, alpha: float = 1.702,
-    limit: float = 7.0, allow_dropped: bool = False,
+    limit: float = 7.0, allow_dropped: bool = False, gate_up_lora: LoraAdapter | None = None,
+    down_lora: LoraAdapter | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts layer's experts, fused (transformers' experts forward, whose
     ``experts_implementation="tigon"`` this is)::
@@ -745,19 +765,28 @@ def moe_experts(
         allow_dropped: also take id ``E`` in ``top_k_index``, which marks a dropped slot, as
             transformers' expert parallelism marks the slots of another rank's experts: it adds
             nothing to the output or to any gradient, and its routing weight gets gradient 0.
+        gate_up_lora, down_lora: ``None`` or a LoRA adapter per expert on that projection,
+            ``(lora_a [E, r, in], lora_b [E, out, r], scaling)`` (``in``, ``out``: ``H``, ``2I``
+            for gate_up, in its column order; ``I``, ``H`` for down, whatever ``transposed``), in
+            ``hidden_states``' dtype: expert ``e``'s weight acts as ``W_e + scaling · B_e A_e``,
+            computed as ``x W_eᵀ + scaling · (x A_eᵀ) B_eᵀ`` inside the grouped matmuls, without
+            forming ``B_e A_e``. The factors get their gradients (``W_e`` too, if it requires one).
     Returns ``[T, H]`` in ``hidden_states``' dtype. Gradients reach ``hidden_states``, the routing
     weights, the weights and the biases. The expert ids are checked on the host with a wait taken
     once the kernels are queued (the GPU stays busy), skipped under torch.compile and CUDA graphs.
     """
     check_choice("gate", gate, _moe.GATES)
     _check_moe_args(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                    transposed)
+                    transposed, dict(gate_up=gate_up_lora, down=down_lora))
     check_numbers(alpha=alpha, limit=limit)
     if gate == "swiglu_clamped" and not limit > 0:
         raise ValueError(f"limit must be a number > 0, got {limit!r}")
     bounds = _expert_id_bounds(top_k_index)
+    gate_up_lora_a, gate_up_lora_b, gate_up_scaling = gate_up_lora or (None, None, 1.0)
+    down_lora_a, down_lora_b, down_scaling = down_lora or (None, None, 1.0)
     out = _moe.MoEExpertsFunction.apply(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+        gate_up_lora_a, gate_up_lora_b, float(gate_up_scaling), down_lora_a, down_lora_b, float(down_scaling),
         gate, bool(transposed), bool(interleaved), float(alpha), float(limit),
     )
     _check_expert_ids(bounds, gate_up_proj.shape[0], allow_dropped)

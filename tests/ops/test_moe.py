@@ -42,15 +42,48 @@ def _experts(shape, dtype, layout, unused=()):
     )
 
 
+def _adapters(shape, dtype, rank, projections=("gate_up", "down")):
+    """A LoRA adapter per expert on each of ``projections``: ``(lora_a [E, r, in], lora_b [E, out,
+    r], scaling)``, both factors random (a trained adapter, not PEFT's zero-initialised B)."""
+    _, hidden, inter, n_experts, _ = shape
+    dims = dict(gate_up=(2 * inter, hidden), down=(hidden, inter))
+    return {
+        f"{projection}_lora": (
+            randn(n_experts, rank, dims[projection][1], dtype=dtype, requires_grad=True,
+                  scale=dims[projection][1] ** -0.5),
+            randn(n_experts, dims[projection][0], rank, dtype=dtype, requires_grad=True, scale=rank**-0.5),
+            0.75,
+        )
+        for projection in projections
+    }
+
+
+def _leaves(inputs):
+    """The tensors of ``inputs`` by name, an adapter's factors as ``<name>.lora_a`` and ``.lora_b``."""
+    leaves = {}
+    for name, value in inputs.items():
+        if isinstance(value, tuple):
+            leaves.update({f"{name}.lora_a": value[0], f"{name}.lora_b": value[1]})
+        elif isinstance(value, torch.Tensor):
+            leaves[name] = value
+    return leaves
+
+
 def _run(inputs, layout, function, dtype=None):
     """Output and every gradient of ``function`` (tigon's or the reference) for one ``dy``."""
     gate, transposed, interleaved, _ = layout
-    copies = dict(zip(inputs, leaf_copies(*inputs.values(), dtype=dtype))) if dtype else inputs
+
+    def copy(value):
+        if isinstance(value, tuple):
+            return (*leaf_copies(*value[:2], dtype=dtype), value[2])
+        return leaf_copies(value, dtype=dtype)[0]
+
+    copies = {name: copy(value) for name, value in inputs.items()} if dtype else inputs
     copies["top_k_index"] = inputs["top_k_index"]
     out = function(**copies, gate=gate, transposed=transposed, interleaved=interleaved)
     dy = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(1), device=DEVICE)
     out.backward(dy.to(out.dtype))
-    grads = {name: t.grad for name, t in copies.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+    grads = {name: t.grad for name, t in _leaves(copies).items() if t.requires_grad}
     return out, grads
 
 
@@ -75,6 +108,9 @@ def test_moe_experts_16bit_within_eager_distance(dtype):
     round every product, the weighted rows and the per-token sums)."""
     shape, layout = SHAPES[0], LAYOUTS[0]
     inputs = _experts(shape, dtype, layout)
+    if dtype == torch.bfloat16:
+        # Against PEFT's path for LoRA on the experts: the adapters merged into the weights in bf16.
+        inputs.update(_adapters(shape, dtype, rank=8))
     out, grads = _run(inputs, layout, tf.moe_experts)
     eager, eager_grads = _run(inputs, layout, reference.moe_experts, dtype=dtype)
     truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
@@ -85,6 +121,43 @@ def test_moe_experts_16bit_within_eager_distance(dtype):
     assert distance(out, truth) <= 1.25 * distance(eager, truth)
     for name, grad in grads.items():
         assert distance(grad, truth_grads[name]) <= 1.25 * distance(eager_grads[name], truth_grads[name]), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(str(v) for v in layout))
+def test_moe_experts_lora_fp32_matches_fp64(layout):
+    """LoRA on both projections of every expert (rank 6: padded to the tensor cores' 16), added
+    inside the grouped matmuls: the output and every gradient, the adapters' and the base
+    weights', as the reference that merges ``W_e + s·B_e A_e`` first."""
+    shape = SHAPES[0]
+    inputs = {**_experts(shape, torch.float32, layout), **_adapters(shape, torch.float32, rank=pick(cpu=6, gpu=16))}
+    out, grads = _run(inputs, layout, tf.moe_experts)
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+    assert_close(out, truth, torch.float32, "output")
+    assert grads.keys() == truth_grads.keys() >= {"gate_up_lora.lora_a", "down_lora.lora_b"}
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and grad.shape == _leaves(inputs)[name].shape
+        assert_close(grad, truth_grads[name], torch.float32, f"grad of {name}", 2.0)
+
+
+@pytest.mark.parametrize("projection", ["gate_up", "down"])
+def test_moe_experts_lora_on_one_projection_over_frozen_experts(projection):
+    """LoRA training as PEFT sets it up: frozen expert weights (no weight gradient computed), an
+    adapter on one projection, some slots dropped (expert parallelism) and an expert with no token."""
+    shape, layout = (97, 48, 40, 5, 2), LAYOUTS[0]
+    inputs = {**_experts(shape, torch.float32, layout, unused=(3,)), **_adapters(shape, torch.float32, 16, [projection])}
+    for name in ("gate_up_proj", "down_proj"):
+        inputs[name].requires_grad_(False)
+    dropped = torch.rand(inputs["top_k_index"].shape, generator=torch.Generator().manual_seed(3)).to(DEVICE) < 0.3
+    inputs["top_k_index"] = inputs["top_k_index"].masked_fill(dropped, shape[3])
+    with torch.no_grad():
+        inputs["top_k_weights"].masked_fill_(dropped, 0.0)
+    out, grads = _run(inputs, layout, functools.partial(tf.moe_experts, allow_dropped=True))
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+    assert_close(out, truth, torch.float32, "output")
+    assert grads.keys() == {"hidden_states", "top_k_weights", f"{projection}_lora.lora_a", f"{projection}_lora.lora_b"}
+    for name, grad in grads.items():
+        assert_close(grad, truth_grads[name], torch.float32, f"grad of {name}", 2.0)
+    assert not grads[f"{projection}_lora.lora_a"][3].any() and not grads[f"{projection}_lora.lora_b"][3].any()
 
 
 def test_moe_experts_edge_cases():
@@ -192,6 +265,18 @@ def test_moe_experts_refuses_bad_input():
         tf.moe_experts(**{**inputs, "top_k_index": inputs["top_k_index"].float()})
     with pytest.raises(TypeError, match=r"one dtype, got .*down_proj torch.float16"):
         tf.moe_experts(**{**inputs, "down_proj": inputs["down_proj"].half()})
+    lora_a, lora_b, scaling = _adapters(SHAPES[0], torch.float32, 4, ["gate_up"])["gate_up_lora"]
+    n_inter = inputs["down_proj"].shape[2]
+    with pytest.raises(TypeError, match=r"^gate_up_lora must be None or \(lora_a, lora_b, scaling\), got Tensor$"):
+        tf.moe_experts(**inputs, gate_up_lora=lora_a)
+    with pytest.raises(ValueError, match=rf"^down_lora\[1\] \(lora_b\) must have shape \({n_experts}, 80, 4\) "
+                                         r"\(\[E, out_features of the base weight, rank of lora_a\]\)"):
+        tf.moe_experts(**inputs, down_lora=(lora_a[:, :, :n_inter], lora_a[:, :, :n_inter], scaling))
+    with pytest.raises(ValueError, match=r"^gate_up_lora\[0\] \(lora_a\) must have 3 dimension"):
+        tf.moe_experts(**inputs, gate_up_lora=(lora_a[0], lora_b, scaling))
+    with pytest.raises(TypeError, match=r"one dtype, got hidden_states torch.float32, gate_up_lora\[0\] \(lora_a\) "
+                                        r"torch.bfloat16"):
+        tf.moe_experts(**inputs, gate_up_lora=(lora_a.bfloat16(), lora_b.bfloat16(), scaling))
 
 
 def test_moe_experts_names_the_layout_of_gate_up_proj():

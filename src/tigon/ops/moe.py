@@ -140,16 +140,37 @@ def _join_pairs(gate, up, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _low_rank_rows(T, rows, row_mask, stride_t, n_rank, BLOCK_R: tl.constexpr):
+    """An adapter's rank-space rows ``T[rows, :n_rank]``, ``[BLOCK_M, BLOCK_R]``, zero past ``n_rank``."""
+    ranks = tl.arange(0, BLOCK_R)
+    return tl.load(T + rows[:, None] * stride_t + ranks[None, :],
+                   mask=row_mask[:, None] & (ranks < n_rank)[None, :], other=0.0)
+
+
+@triton.jit
+def _add_low_rank(acc, t, Q, expert, stride_qe, stride_qr, stride_qc, cols, col_mask, n_rank,
+                  PRECISION: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``acc + t Q_e[:, cols]``: ``t`` from :func:`_low_rank_rows`, ``Q_e`` viewed as ``[n_rank, ·]``
+    through strides (one adapter factor; the rank is the inner dimension of this one product)."""
+    ranks = tl.arange(0, BLOCK_R)
+    q_ptrs = Q + expert.to(tl.int64) * stride_qe + ranks[:, None] * stride_qr + cols[None, :] * stride_qc
+    return _dot(t, tl.load(q_ptrs, mask=(ranks < n_rank)[:, None] & col_mask[None, :], other=0.0), acc, PRECISION)
+
+
+@triton.jit
 def moe_gate_up_kernel(
     X, W, BIAS, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, WH,
     n_in, n_inter,
     stride_x, stride_we, stride_wk, stride_wc, stride_be, stride_gu, stride_wh,
+    LORA_T, LORA_B, n_rank, stride_t, stride_le, stride_lr, stride_lc,
     alpha, limit,
-    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # Interleaved weights give one [BLOCK_K, 2·BLOCK_N] tile of (gate, up) pairs per step, split
-    # after the loop; concatenated ones a gate tile and an up tile, n_inter columns apart.
+    # after the loop; concatenated ones a gate tile and an up tile, n_inter columns apart. With an
+    # adapter, its term t_r B_eᵀ (t = s·x A_eᵀ, computed before) joins the product first.
     expert, rows, tokens, row_mask, pid_n = _row_tile(
         TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, n_inter, BLOCK_M, BLOCK_N
     )
@@ -170,6 +191,13 @@ def moe_gate_up_kernel(
             acc_up = _dot(a, tl.load(w_ptrs + n_inter * stride_wc, mask=w_mask, other=0.0), acc_up, PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:
+        t = _low_rank_rows(LORA_T, rows, row_mask, stride_t, n_rank, BLOCK_R)
+        acc = _add_low_rank(acc, t, LORA_B, expert, stride_le, stride_lr, stride_lc, cols, col_mask, n_rank,
+                            PRECISION, BLOCK_R)
+        if not INTERLEAVED:
+            acc_up = _add_low_rank(acc_up, t, LORA_B, expert, stride_le, stride_lr, stride_lc, cols + n_inter,
+                                   col_mask, n_rank, PRECISION, BLOCK_R)
     b_ptrs = BIAS + expert * stride_be + cols
     gu_ptrs = GATE_UP + rows[:, None] * stride_gu + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
@@ -214,11 +242,13 @@ def moe_scatter_kernel(
     A, W, BIAS, ROW_SCALE, ROW_TOKEN, ROW_PAIR, TILE_EXPERT, TILE_ROW, EXPERT_END, OUT,
     n_in, n_out,
     stride_a, stride_we, stride_wk, stride_wn, stride_be, stride_out,
-    ATOMIC: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LORA_T, LORA_Q, n_rank, stride_t, stride_qe, stride_qr, stride_qn,
+    ATOMIC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    # A_r W_e (+ scale_r · b_e) for the sorted rows r of this tile, added into the fp32 row of its
-    # token (ATOMIC) or stored as row pair[r] = t·k + j of OUT [S, n_out], summed over j after.
+    # A_r W_e (+ t_r Q_e, an adapter's term) (+ scale_r · b_e) for the sorted rows r of this tile,
+    # added into the fp32 row of its token (ATOMIC) or stored as row pair[r] = t·k + j of
+    # OUT [S, n_out], summed over j after.
     expert, rows, tokens, row_mask, pid_n = _row_tile(
         TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, n_out, BLOCK_M, BLOCK_N
     )
@@ -231,6 +261,10 @@ def moe_scatter_kernel(
         A, tl.where(row_mask, rows, 0), stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_in,
         PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )
+    if HAS_LORA:
+        t = _low_rank_rows(LORA_T, rows, row_mask, stride_t, n_rank, BLOCK_R)
+        acc = _add_low_rank(acc, t, LORA_Q, expert, stride_qe, stride_qr, stride_qn, cols, col_mask, n_rank,
+                            PRECISION, BLOCK_R)
     if HAS_BIAS:
         bias = tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc += tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None] * bias[None, :]
@@ -271,10 +305,13 @@ def moe_down_bwd_kernel(
     DY, W, ROW_SCALE, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, GATE_UP, D_SCALE_PARTS,
     n_rows, n_hidden, n_inter,
     stride_dy, stride_we, stride_wk, stride_wn, stride_gu,
+    LORA_U, LORA_A, n_rank, stride_u, stride_le, stride_lr, stride_ln,
     alpha, limit,
-    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LORA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
+    # g = dy_t W2_e (+ u_r A2_e with an adapter on the down projection: u = s·dy_t B2_e, computed
+    # before), then the gate's backward (module docstring).
     expert, rows, tokens, row_mask, pid_n = _row_tile(
         TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, n_inter, BLOCK_M, BLOCK_N
     )
@@ -286,6 +323,10 @@ def moe_down_bwd_kernel(
         DY, tokens, stride_dy, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_hidden,
         PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )
+    if HAS_LORA:
+        u = _low_rank_rows(LORA_U, rows, row_mask, stride_u, n_rank, BLOCK_R)
+        g = _add_low_rank(g, u, LORA_A, expert, stride_le, stride_lr, stride_ln, cols, col_mask, n_rank,
+                          PRECISION, BLOCK_R)
     mask = row_mask[:, None] & col_mask[None, :]
     pair_cols, pair_mask = _pair_columns(pid_n, n_inter, INTERLEAVED, BLOCK_N)
     gu_ptrs = GATE_UP + rows[:, None] * stride_gu + pair_cols[None, :]
@@ -312,6 +353,31 @@ def moe_down_bwd_kernel(
     # This column block's share of dw_r = g_r · h_r, summed over the blocks after (no atomics:
     # every (block, row) is written once).
     tl.store(D_SCALE_PARTS + pid_n * n_rows + rows, tl.sum(tl.where(mask, g * h, 0.0), axis=1), mask=row_mask)
+
+
+@triton.jit
+def moe_low_rank_kernel(
+    A, P, ROW_TOKEN, TILE_EXPERT, TILE_ROW, EXPERT_END, OUT,
+    n_in, n_rank, scaling,
+    stride_a, stride_pe, stride_pk, stride_pr, stride_out,
+    GATHER: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # OUT[r] = scaling · A[r] P_e for the sorted rows r of this tile (A read at the row's token
+    # when GATHER): an adapter's rank-space rows [S, n_rank], P_e viewed as [n_in, n_rank].
+    expert, rows, tokens, row_mask, _ = _row_tile(
+        TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, n_rank, BLOCK_M, BLOCK_R
+    )
+    if expert < 0:
+        return
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < n_rank
+    acc = _expert_matmul(
+        A, tokens if GATHER else tl.where(row_mask, rows, 0), stride_a, P, expert, stride_pe, stride_pk, stride_pr,
+        ranks, rank_mask, n_in, PRECISION, BLOCK_M, BLOCK_R, BLOCK_K,
+    )
+    tl.store(OUT + rows[:, None] * stride_out + ranks[None, :], (acc * scaling).to(OUT.dtype.element_ty),
+             mask=row_mask[:, None] & rank_mask[None, :])
 
 
 @triton.jit
@@ -386,6 +452,7 @@ _GPU_TILES = {
     "dx": dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4),
     "down_bwd": dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "weight_grad": dict(BLOCK_O=128, BLOCK_I=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "low_rank": dict(BLOCK_K=128, num_warps=4, num_stages=3),
 }
 _INTERPRETER_TILES = {
     "block_m": 64,
@@ -394,6 +461,7 @@ _INTERPRETER_TILES = {
     "dx": dict(BLOCK_N=64, BLOCK_K=64),
     "down_bwd": dict(BLOCK_N=64, BLOCK_K=64),
     "weight_grad": dict(BLOCK_O=64, BLOCK_I=64, BLOCK_K=64),
+    "low_rank": dict(BLOCK_K=64),
 }
 
 
@@ -477,20 +545,58 @@ def _optional(tensor: torch.Tensor | None, device: torch.device) -> tuple[torch.
     return (empty_tensor(device), 0) if tensor is None else (tensor, tensor.stride(0))
 
 
-def _scatter(kind, a, weight, weight_strides, bias, row_scale, meta, out, n_in):
-    """``a_r W_e + scale_r · b_e`` per sorted row ``r``: added into ``out [T, n_out]`` (fp32) at the
-    row's token for ``kind="dx"``, stored into ``out [S, n_out]`` at the row's pair for ``"down"``."""
+def _factor_strides(factor: torch.Tensor, as_stored: bool) -> tuple[int, int, int]:
+    """Strides of an adapter factor ``[E, d1, d2]`` read as ``[E, d1, d2]`` or, transposed, ``[E, d2, d1]``."""
+    return (factor.stride(0), factor.stride(1), factor.stride(2)) if as_stored else (
+        factor.stride(0), factor.stride(2), factor.stride(1))
+
+
+def _low_rank_term(rows: torch.Tensor | None, factor: torch.Tensor | None, as_stored: bool, device) -> tuple:
+    """The kernels' adapter term ``rows_r F_e`` (``rows [S, r]`` from :func:`_low_rank`, ``F_e``
+    read ``[r, n]`` through strides): its arguments ``(T, F, n_rank, stride_t, *F's strides)`` and
+    constexprs; a kernel without one gets placeholders and ``HAS_LORA=False``."""
+    if rows is None:
+        empty = empty_tensor(device)
+        return (empty, empty, 0, 0, 0, 0, 0), dict(HAS_LORA=False, BLOCK_R=16)
+    rank = rows.shape[1]
+    return ((rows, factor, rank, rows.stride(0), *_factor_strides(factor, as_stored)),
+            dict(HAS_LORA=True, BLOCK_R=max(16, triton.next_power_of_2(rank))))
+
+
+def _low_rank(a, gather, factor, as_stored, scaling, meta):
+    """``scaling · a_r F_e`` per sorted row ``r`` (``a`` read at the row's token when ``gather``),
+    ``[S, r]`` in ``a``'s dtype, with ``F_e`` an adapter factor read ``[n_in, r]`` through strides."""
+    _, row_token, expert_end, tile_expert, tile_row = meta
+    rank = factor.shape[2] if as_stored else factor.shape[1]
+    out = a.new_empty((row_token.numel(), rank))
+    tiles = _tiles(a.dtype)
+    block_r = max(16, triton.next_power_of_2(rank))
+    moe_low_rank_kernel[_row_grid(tile_expert, rank, block_r)](
+        a, factor, row_token, tile_expert, tile_row, expert_end, out,
+        a.shape[1], rank, scaling,
+        a.stride(0), *_factor_strides(factor, as_stored), out.stride(0),
+        GATHER=gather, PRECISION=_precision(a.dtype), BLOCK_M=tiles["block_m"], BLOCK_R=block_r, **tiles["low_rank"],
+    )
+    return out
+
+
+def _scatter(kind, a, weight, weight_strides, bias, row_scale, meta, out, n_in, low_rank=None):
+    """``a_r W_e (+ t_r F_e) + scale_r · b_e`` per sorted row ``r``: added into ``out [T, n_out]``
+    (fp32) at the row's token for ``kind="dx"``, stored into ``out [S, n_out]`` at the row's pair
+    for ``"down"``; ``low_rank``, an adapter's term from :func:`_low_rank_term`."""
     order, row_token, expert_end, tile_expert, tile_row = meta
     tiles = _tiles(a.dtype)
     config = tiles[kind]
     n_out = out.shape[1]
     bias, stride_bias = _optional(bias, a.device)
+    lora_args, lora_options = low_rank or _low_rank_term(None, None, True, a.device)
     moe_scatter_kernel[_row_grid(tile_expert, n_out, config["BLOCK_N"])](
         a, weight, bias, _optional(row_scale, a.device)[0], row_token, order, tile_expert, tile_row, expert_end, out,
         n_in, n_out,
         a.stride(0), *weight_strides, stride_bias, out.stride(0),
+        *lora_args,
         ATOMIC=kind == "dx", HAS_BIAS=stride_bias != 0, PRECISION=_precision(a.dtype),
-        BLOCK_M=tiles["block_m"], **config,
+        BLOCK_M=tiles["block_m"], **lora_options, **config,
     )
 
 
@@ -523,10 +629,16 @@ def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in):
 
 
 def _moe_fwd_fake(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, order, row_token, expert_end,
-                  tile_expert, tile_row, gate, transposed, interleaved, alpha, limit):
+                  tile_expert, tile_row, gate, transposed, interleaved, alpha, limit, gate_up_lora_a=None,
+                  gate_up_lora_b=None, gate_up_scaling=1.0, down_lora_a=None, down_lora_b=None, down_scaling=1.0):
     n_inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     n_rows = row_token.shape[0]
-    return x.new_empty(x.shape), x.new_empty((n_rows, 2 * n_inter)), x.new_empty((n_rows, n_inter))
+
+    def rank_rows(lora_a):
+        return x.new_empty((0,) if lora_a is None else (n_rows, lora_a.shape[1]))
+
+    return (x.new_empty(x.shape), x.new_empty((n_rows, 2 * n_inter)), x.new_empty((n_rows, n_inter)),
+            rank_rows(gate_up_lora_a), rank_rows(down_lora_a))
 
 
 @tigon_op("moe_fwd", fake=_moe_fwd_fake)
@@ -534,11 +646,14 @@ def moe_fwd(
     x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None, row_weight: torch.Tensor, order: torch.Tensor, row_token: torch.Tensor,
     expert_end: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool,
-    interleaved: bool, alpha: float, limit: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, H]`` through the experts → ``(y [T, H], gate_up [S, 2I], wh [S, I])`` (module
-    docstring); the routing is :func:`routing`'s, ``row_weight [S]`` fp32 the routing weight of
-    each sorted row."""
+    interleaved: bool, alpha: float, limit: float, gate_up_lora_a: torch.Tensor | None = None,
+    gate_up_lora_b: torch.Tensor | None = None, gate_up_scaling: float = 1.0, down_lora_a: torch.Tensor | None = None,
+    down_lora_b: torch.Tensor | None = None, down_scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` through the experts → ``(y [T, H], gate_up [S, 2I], wh [S, I], t_gate_up [S, r],
+    t_down [S, r])`` (module docstring); the routing is :func:`routing`'s, ``row_weight [S]`` fp32
+    the routing weight of each sorted row. The adapters, each optional: ``lora_a [E, r, n_in]``,
+    ``lora_b [E, n_out, r]``; ``t`` is an adapter's ``s·a_r Aᵀ`` (kept for backward; empty without one)."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed)
     tiles = _tiles(x.dtype)
@@ -546,33 +661,45 @@ def moe_fwd(
     n_rows, n_inter = row_token.numel(), layout.n_inter
     gate_up = x.new_empty((n_rows, 2 * n_inter))
     wh = x.new_empty((n_rows, n_inter))
+    none = x.new_empty((0,))
+    t_gate_up = t_down = None
+    if gate_up_lora_a is not None:
+        t_gate_up = _low_rank(x, True, gate_up_lora_a, False, gate_up_scaling, meta)
+    lora_args, lora_options = _low_rank_term(t_gate_up, gate_up_lora_b, False, x.device)
     bias, stride_bias = _optional(gate_up_bias, x.device)
     config = tiles["gate_up"]
     moe_gate_up_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
         x, gate_up_proj, bias, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, wh,
         n_hidden, n_inter,
         x.stride(0), *layout.gate_up_kc, stride_bias, gate_up.stride(0), wh.stride(0),
+        *lora_args,
         alpha, limit,
         ACTIVATION=_ACTIVATION[gate], INTERLEAVED=interleaved, HAS_BIAS=stride_bias != 0,
         PRECISION=_precision(x.dtype),
-        BLOCK_M=tiles["block_m"], **config,
+        BLOCK_M=tiles["block_m"], **lora_options, **config,
     )
+    if down_lora_a is not None:
+        t_down = _low_rank(wh, False, down_lora_a, False, down_scaling, meta)
     # Each pair's weighted row lands at t·k + j; the k rows of a token are then summed in fp32
     # (in a fixed order: the output is deterministic) and rounded once.
     rows = x.new_empty((n_rows, n_hidden))
-    _scatter("down", wh, down_proj, layout.down_in_out, down_bias, row_weight, meta, rows, n_inter)
+    _scatter("down", wh, down_proj, layout.down_in_out, down_bias, row_weight, meta, rows, n_inter,
+             _low_rank_term(t_down, down_lora_b, False, x.device))
     _zero_dropped(rows, meta, by_pair=True)
-    return rows.view(n_tokens, n_rows // max(n_tokens, 1), n_hidden).sum(dim=1), gate_up, wh
+    y = rows.view(n_tokens, n_rows // max(n_tokens, 1), n_hidden).sum(dim=1)
+    return y, gate_up, wh, none if t_gate_up is None else t_gate_up, none if t_down is None else t_down
 
 
 def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, wh, row_weight, order, row_token, expert_end,
                   tile_expert, tile_row, gate, transposed, interleaved, alpha, limit, needs_dx, needs_d_gate_up,
-                  needs_d_down, zero_dropped=False):
+                  needs_d_down, zero_dropped=False, gate_up_lora_a=None, gate_up_lora_b=None, gate_up_scaling=1.0,
+                  down_lora_a=None, down_lora_b=None, down_scaling=1.0, t_gate_up=None, t_down=None):
     def grad(like, needed):
-        return like.new_empty(like.shape if needed else (0,))
+        return dy.new_empty((0,)) if like is None or not needed else like.new_empty(like.shape)
 
     return (grad(x, needs_dx), grad(gate_up_proj, needs_d_gate_up), grad(down_proj, needs_d_down),
-            row_weight.new_empty(row_weight.shape))
+            row_weight.new_empty(row_weight.shape), *(grad(factor, True) for factor in (
+                gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b)))
 
 
 @tigon_op("moe_bwd", fake=_moe_bwd_fake, mutates_args=("gate_up",))
@@ -581,43 +708,68 @@ def moe_bwd(
     wh: torch.Tensor, row_weight: torch.Tensor, order: torch.Tensor, row_token: torch.Tensor,
     expert_end: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor, gate: str, transposed: bool,
     interleaved: bool, alpha: float, limit: float, needs_dx: bool, needs_d_gate_up: bool, needs_d_down: bool,
-    zero_dropped: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx, d_gate_up_proj, d_down_proj, d_row_weight)`` for ``dy [T, H]``; a gradient not asked
-    for is an empty tensor. ``gate_up`` is overwritten with its gradient, and with ``zero_dropped``
-    its dropped slots' rows with zeros (for a sum over every row). ``d_row_weight [S]`` fp32
-    leaves out the down bias's term ``dy_t · b2_e``."""
+    zero_dropped: bool = False, gate_up_lora_a: torch.Tensor | None = None, gate_up_lora_b: torch.Tensor | None = None,
+    gate_up_scaling: float = 1.0, down_lora_a: torch.Tensor | None = None, down_lora_b: torch.Tensor | None = None,
+    down_scaling: float = 1.0, t_gate_up: torch.Tensor | None = None, t_down: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """``(dx, d_gate_up_proj, d_down_proj, d_row_weight, d_gate_up_lora_a, d_gate_up_lora_b,
+    d_down_lora_a, d_down_lora_b)`` for ``dy [T, H]``; a gradient not asked for, or of an absent
+    adapter, is an empty tensor. ``gate_up`` is overwritten with its gradient, and with
+    ``zero_dropped`` its dropped slots' rows with zeros (for a sum over every row). ``d_row_weight
+    [S]`` fp32 leaves out the down bias's term ``dy_t · b2_e``. The adapters as :func:`moe_fwd`
+    takes them, with the ``t`` it returned."""
     meta = (order, row_token, expert_end, tile_expert, tile_row)
     layout = _Layout(gate_up_proj, down_proj, transposed)
     tiles = _tiles(dy.dtype)
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
     config = tiles["down_bwd"]
+    none = dy.new_empty((0,))
+    # An adapter y += t_r B_eᵀ with t_r = s·a_r A_eᵀ (a = x or wh) sends the row's output gradient
+    # g_r back through u_r = s·g_r B_e: a_r's gradient gains u_r A_e, and
+    #     dA_e = Σ_r u_rᵀ a_r,   dB_e = Σ_r g_rᵀ t_r      over expert e's rows.
+    d_down_a = d_down_b = d_gate_up_a = d_gate_up_b = none
+    u_down = None
+    if down_lora_a is not None:
+        u_down = _low_rank(dy, True, down_lora_b, True, down_scaling, meta)
+    lora_args, lora_options = _low_rank_term(u_down, down_lora_a, True, dy.device)
     # Zeros where no program writes: the rows of dropped slots.
     d_row_weight = row_weight.new_zeros((triton.cdiv(n_inter, config["BLOCK_N"]), row_weight.numel()))
     moe_down_bwd_kernel[_row_grid(tile_expert, n_inter, config["BLOCK_N"])](
         dy, down_proj, row_weight, row_token, tile_expert, tile_row, expert_end, gate_up, d_row_weight,
         row_weight.numel(), n_hidden, n_inter,
         dy.stride(0), *layout.down_out_in, gate_up.stride(0),
+        *lora_args,
         alpha, limit,
         ACTIVATION=_ACTIVATION[gate], INTERLEAVED=interleaved, PRECISION=_precision(dy.dtype),
-        BLOCK_M=tiles["block_m"], **config,
+        BLOCK_M=tiles["block_m"], **lora_options, **config,
     )
-    none = dy.new_empty((0,))
+    if u_down is not None:
+        d_down_a = _weight_grad(u_down, wh, False, False, meta, down_lora_a, False, u_down.shape[1], n_inter)
+        d_down_b = _weight_grad(dy, t_down, True, False, meta, down_lora_b, False, n_hidden, t_down.shape[1])
     d_down = none
     if needs_d_down:
         d_down = _weight_grad(dy, wh, True, False, meta, down_proj, transposed, n_hidden, n_inter)
+    u_gate_up = None
+    if gate_up_lora_a is not None:
+        u_gate_up = _low_rank(gate_up, False, gate_up_lora_b, True, gate_up_scaling, meta)
+        d_gate_up_a = _weight_grad(u_gate_up, x, False, True, meta, gate_up_lora_a, False, u_gate_up.shape[1],
+                                   n_hidden)
+        d_gate_up_b = _weight_grad(gate_up, t_gate_up, False, False, meta, gate_up_lora_b, False, 2 * n_inter,
+                                   t_gate_up.shape[1])
     dx = none
     if needs_dx:
         dx = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=dy.device)
-        _scatter("dx", gate_up, gate_up_proj, layout.gate_up_cn, None, None, meta, dx, 2 * n_inter)
+        _scatter("dx", gate_up, gate_up_proj, layout.gate_up_cn, None, None, meta, dx, 2 * n_inter,
+                 _low_rank_term(u_gate_up, gate_up_lora_a, True, dy.device))
         dx = dx.to(x.dtype)
     d_gate_up = none
     if needs_d_gate_up:
         d_gate_up = _weight_grad(gate_up, x, False, True, meta, gate_up_proj, transposed, 2 * n_inter, n_hidden)
     if zero_dropped:
         _zero_dropped(gate_up, meta, by_pair=False)
-    return dx, d_gate_up, d_down, d_row_weight.sum(dim=0)
+    return dx, d_gate_up, d_down, d_row_weight.sum(dim=0), d_gate_up_a, d_gate_up_b, d_down_a, d_down_b
 
 
 class MoEExpertsFunction(torch.autograd.Function):
@@ -625,29 +777,38 @@ class MoEExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
+                gate_up_lora_a, gate_up_lora_b, gate_up_scaling, down_lora_a, down_lora_b, down_scaling,
                 gate, transposed, interleaved, alpha, limit):
         n_experts = gate_up_proj.shape[0]
         meta = routing(top_k_index, n_experts, _tiles(x.dtype)["block_m"])
         row_weight = top_k_weights.reshape(-1)[meta[0]].float()
-        y, gate_up, wh = moe_fwd(
+        adapters = (gate_up_lora_a, gate_up_lora_b, gate_up_scaling, down_lora_a, down_lora_b, down_scaling)
+        y, gate_up, wh, t_gate_up, t_down = moe_fwd(
             x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, *meta,
-            gate, transposed, interleaved, alpha, limit,
+            gate, transposed, interleaved, alpha, limit, *adapters,
         )
         ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias,
-                              gate_up, wh, row_weight, *meta)
+                              gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b,
+                              t_gate_up if gate_up_lora_a is not None else None,
+                              t_down if down_lora_a is not None else None, gate_up, wh, row_weight, *meta)
         ctx.options = (gate, transposed, interleaved, alpha, limit)
+        ctx.scalings = (gate_up_scaling, down_scaling)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up, wh, row_weight,
+        (x, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, gate_up_lora_a,
+         gate_up_lora_b, down_lora_a, down_lora_b, t_gate_up, t_down, gate_up, wh, row_weight,
          *meta) = ctx.saved_tensors
         order = meta[0]
         needs = ctx.needs_input_grad
         needs_gate_up_bias = gate_up_bias is not None and needs[5]
-        dx, d_gate_up_proj, d_down_proj, d_row_weight = moe_bwd(
+        gate_up_scaling, down_scaling = ctx.scalings
+        (dx, d_gate_up_proj, d_down_proj, d_row_weight, d_gate_up_lora_a, d_gate_up_lora_b, d_down_lora_a,
+         d_down_lora_b) = moe_bwd(
             dy.contiguous(), x, gate_up_proj, down_proj, gate_up, wh, row_weight, *meta, *ctx.options,
             needs[0], needs[3], needs[4], needs_gate_up_bias,
+            gate_up_lora_a, gate_up_lora_b, gate_up_scaling, down_lora_a, down_lora_b, down_scaling, t_gate_up, t_down,
         )
         d_weights = None
         if needs[2]:
@@ -677,5 +838,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         return (
             dx if needs[0] else None, None, d_weights,
             d_gate_up_proj if needs[3] else None, d_down_proj if needs[4] else None,
-            d_gate_up_bias, d_down_bias, None, None, None, None, None,
+            d_gate_up_bias, d_down_bias,
+            d_gate_up_lora_a if needs[7] else None, d_gate_up_lora_b if needs[8] else None, None,
+            d_down_lora_a if needs[10] else None, d_down_lora_b if needs[11] else None, None,
+            None, None, None, None, None,
         )

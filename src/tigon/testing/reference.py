@@ -199,10 +199,22 @@ def swiglu_clamped(gate_up, alpha=1.702, limit=7.0):
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias=None,
-                down_bias=None, gate="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+                down_bias=None, gate="swiglu", transposed=False, interleaved=False, alpha=1.702, limit=7.0,
+                gate_up_lora=None, down_lora=None):
     """Transformers' eager experts loop (``use_experts_implementation``'s reference): each expert's
     tokens through ``gate_up_proj``, the gate, ``down_proj``, scaled by their routing weight and
-    summed per token, in the inputs' dtype."""
+    summed per token, in the inputs' dtype. A LoRA adapter ``(lora_a [E, r, in], lora_b [E, out,
+    r], scaling)`` on either projection is merged into its weight first, as PEFT's
+    ``target_parameters`` hands it to the experts: ``W_e + scaling · B_e A_e``."""
+
+    def merged(weight, lora):
+        if lora is None:
+            return weight
+        lora_a, lora_b, scaling = lora
+        delta = scaling * (lora_b @ lora_a)  # [E, out, in]
+        return weight + (delta.transpose(1, 2) if transposed else delta)
+
+    gate_up_proj, down_proj = merged(gate_up_proj, gate_up_lora), merged(down_proj, down_lora)
     w_gate_up = gate_up_proj if transposed else gate_up_proj.transpose(1, 2)  # [E, H, 2I]
     w_down = down_proj if transposed else down_proj.transpose(1, 2)  # [E, I, H]
     out = torch.zeros_like(hidden_states)
