@@ -100,3 +100,30 @@ def test_work_and_batched_mm_memory_of_the_qwen3_block():
     # with the down gather and a gradient, twice that.
     assert shape.pairs * 2 * shape.intermediate * shape.hidden * 2 == 768 * 2**30
     assert moe.batched_mm_bytes(shape, 2) == 1536 * 2**30
+
+
+def test_lora_smoke_run_compares_the_adapters_gradients(tmp_path):
+    # PEFT's target_parameters LoRA on the experts: grouped_mm gets PEFT's merged weight, tigon the
+    # factors; the adapters' gradients are what is compared, the frozen experts get none.
+    pytest.importorskip("peft", minversion="0.21")
+    assert main(["moe", "--smoke", "--blocks", "qwen3_moe", "--providers", "tigon", "--lora", "4",
+                 "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "moe_blocks-qwen3_moe-lora4.json").read_text())
+    shape = moe.BLOCKS["qwen3_moe"].smoke
+    assert saved["meta"]["blocks"]["qwen3_moe"]["flops"] == shape.lora_flops(4)
+    tigon = next(row for row in saved["results"] if row["provider"] == "tigon")
+    assert tigon["lora_rank"] == 4 and tigon["flops"] == shape.lora_flops(4)
+    adapters = [name for name in tigon["errors"] if "lora_" in name]
+    assert len(adapters) == 4 and not any("experts.gate_up_proj" in name for name in tigon["errors"])
+    for name, error in tigon["errors"].items():
+        assert error["max_rel"] < MAX_REL, (name, error)
+
+
+def test_lora_flops_count_the_forward_the_input_gradient_and_the_adapters():
+    shape = moe.Shape(experts=4, top_k=2, hidden=8, intermediate=6, tokens=3)
+    pairs = 6
+    frozen = 6 * pairs * 8 * 6 * 2  # forward 6·S·H·I, the input's gradient as much again
+    adapters = 6 * pairs * 16 * ((8 + 12) + (6 + 8))  # per projection 6·S·R·(in + out)
+    assert shape.lora_flops(16) == frozen + adapters
+    with pytest.raises(SystemExit):
+        moe.parse_args(["--lora", "0"])

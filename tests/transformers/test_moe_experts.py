@@ -328,11 +328,12 @@ def test_expert_parallel_sentinel_slots_are_dropped(model_type):
         experts(hidden_states, past_the_sentinel, top_k_weights.to(hidden_states.device))
 
 
-def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone():
-    # PEFT 0.21's target_parameters: LoRA on the experts' [E, out, in] weights, applied by a
-    # parametrization that hands the experts W + scaling · B·A while they run. tigon's kernel reads
-    # the weights it is given, so the step is PEFT's (the adapter fused into the grouped matmuls,
-    # without that merged copy, is issue 32's).
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone(model_type):
+    # PEFT 0.21's target_parameters: LoRA on the experts' stacked weights ([E, out, in], or GPT-OSS's
+    # transposed [E, in, out]), applied by a parametrization that hands the experts W + s·B·A while
+    # they run: a baddbmm per forward, and the full weight gradient in backward. tigon reads the
+    # factors instead (no baddbmm in its graph) and gives PEFT's loss and gradients.
     import peft
     from peft import LoraConfig, get_peft_model
 
@@ -340,14 +341,16 @@ def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone():
         pytest.skip(f"LoRA on stacked experts is checked with PEFT 0.21 and later, not {peft.__version__}")
 
     def step(tigon: bool):
-        model = tiny_model("qwen3_moe")
+        model = build(model_type)
         if tigon:
             apply_tigon(model)
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-        return loss_and_grads(get_peft_model(model, config), batch_of("qwen3_moe"))
+        return loss_and_grads(get_peft_model(model, config), batch_of(model_type))
 
     truth, run = step(tigon=False), step(tigon=True)
     assert KERNEL in run[1] and KERNEL not in truth[1]
-    assert any(".mlp.experts." in name and "lora_B" in name for name in run[2])
+    assert "BaddbmmBackward0" in truth[1] and "BaddbmmBackward0" not in run[1]
+    for factor in ("lora_A", "lora_B"):
+        assert any(".mlp.experts." in name and factor in name for name in run[2])
     assert_matches(run, truth)

@@ -46,6 +46,15 @@ What is measured, per block and provider (bf16 on a GPU):
   experts' weights and biases) against ``grouped_mm``'s, as ``max |a − b|`` and that divided by
   ``max |b|`` (reported, not asserted: both sides are bf16 computations).
 
+With ``--lora R``, every block's experts carry a PEFT LoRA adapter of rank ``R`` (``lora_alpha``
+``2R``, both factors random) on both stacked weights (PEFT 0.21's ``target_parameters``, injected by
+``peft.inject_adapter_in_model``), over frozen expert weights: LoRA fine-tuning as users run it.
+The other providers then get PEFT's merged weight ``W + s·B·A`` (one ``baddbmm`` per forward, and
+the full weight gradient in backward); tigon reads the factors and adds the adapter inside its
+grouped matmuls (:mod:`tigon.transformers.moe`). The work counted is what LoRA training needs: the
+forward, the input's gradient and the adapters', ``12·S·H·I + 6·S·R·(2H + 3I)`` FLOPs; the
+gradients compared are the input's and the adapters' (PEFT leaves only its adapters trainable).
+
 Ratios: ``vs grouped_mm`` and ``vs Liger`` are their time divided by this row's (above 1: faster).
 Writes ``moe_blocks.json`` and ``moe_blocks.png`` (``moe_blocks-<blocks>.*`` for a subset of the blocks)
 into ``--out`` (``tigon bench``'s folder by default: ``tigon-out/bench-<gpu>`` of the working
@@ -57,7 +66,7 @@ runs its interpreter; Liger's fused MoE with its autotuning off, which needs a G
 once: no timing or memory, the errors against ``grouped_mm`` still computed.
 
     tigon bench moe [--blocks qwen3_moe qwen3_235b olmoe mixtral gpt_oss] [--providers grouped_mm batched_mm liger tigon]
-        [--smoke] [--out DIR]
+        [--lora R] [--smoke] [--out DIR]
 """
 
 from __future__ import annotations
@@ -109,6 +118,13 @@ class Shape:
     def flops(self) -> int:
         """The experts' matmuls of one forward + backward (see the module docstring)."""
         return 18 * self.pairs * self.hidden * self.intermediate
+
+    def lora_flops(self, rank: int) -> int:
+        """The matmuls LoRA training needs over frozen experts: the forward and the input's gradient,
+        ``12·S·H·I``, and each adapter's three pairs of thin products (``x Aᵀ``, ``·Bᵀ`` forward;
+        ``g B``, ``·A``, ``dA``, ``dB`` backward): ``6·S·R·(in + out)`` over both projections."""
+        return 12 * self.pairs * self.hidden * self.intermediate + 6 * self.pairs * rank * (
+            2 * self.hidden + 3 * self.intermediate)
 
 
 @dataclass(frozen=True)
@@ -207,6 +223,25 @@ def build_block(block: Block, shape: Shape, device, dtype) -> torch.nn.Module:
     return module
 
 
+def add_lora(module: torch.nn.Module, rank: int) -> None:
+    """PEFT's LoRA of ``rank`` on ``module``'s stacked expert weights, both factors random (as after
+    some training: PEFT's zero ``B`` would hide the adapter's term), the expert weights frozen."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    inject_adapter_in_model(config, module)
+    for name, parameter in module.named_parameters():
+        if ".experts." in name and "lora_" not in name:
+            parameter.requires_grad_(False)
+
+
+def _experts(module: torch.nn.Module) -> torch.nn.Module:
+    """The block's experts module, under PEFT's adapter wrappers if any."""
+    experts = module.experts
+    return experts.get_base_layer() if hasattr(experts, "get_base_layer") else experts
+
+
 def _liger_forward(block: Block, on_gpu: bool):
     """Liger's experts forward (``LigerExperts.forward``), or :class:`Unavailable` saying why not."""
     if block.liger_missing:
@@ -229,7 +264,7 @@ def _liger_forward(block: Block, on_gpu: bool):
 @contextlib.contextmanager
 def routed(module: torch.nn.Module, block: Block, provider: str, on_gpu: bool):
     """``module``'s experts computed by ``provider`` inside the ``with``."""
-    experts = module.experts
+    experts = _experts(module)
     if provider == "liger":
         experts.forward = MethodType(_liger_forward(block, on_gpu), experts)
         try:
@@ -347,19 +382,23 @@ def _run_provider(module, block, shape, provider, x, grad_output, leaves, refere
 
 
 def run_block(name: str, providers: list[str], device, dtype, shape: Shape, timed: bool,
-              matmul_tflops: float | None) -> list[dict]:
-    """Every provider on block ``name`` at ``shape``: one result row each, the reference first;
-    ``timed`` False is the smoke run's single call per provider."""
+              matmul_tflops: float | None, lora_rank: int | None = None) -> list[dict]:
+    """Every provider on block ``name`` at ``shape`` (with ``lora_rank``, a LoRA adapter on its
+    experts: :func:`add_lora`): one result row each, the reference first; ``timed`` False is the
+    smoke run's single call per provider."""
     block = BLOCKS[name]
     module = build_block(block, shape, device, dtype)
+    if lora_rank:
+        add_lora(module, lora_rank)
     x = torch.randn(1, shape.tokens, shape.hidden, device=device, dtype=dtype, requires_grad=True)
     grad_output = torch.randn(1, shape.tokens, shape.hidden, device=device, dtype=dtype)
-    leaves = {"hidden_states": x, **dict(module.named_parameters())}
+    leaves = {"hidden_states": x, **{n: p for n, p in module.named_parameters() if p.requires_grad}}
     reference: dict[str, torch.Tensor | None] = {}
     rows = []
     for provider in sorted(providers, key=PROVIDERS.index):
         row = {"block": name, "provider": provider, "label": LABELS[provider], "tokens": shape.tokens,
-               "dtype": str(dtype).removeprefix("torch."), "smoke": not timed, "flops": shape.flops,
+               "dtype": str(dtype).removeprefix("torch."), "smoke": not timed, "lora_rank": lora_rank,
+               "flops": shape.lora_flops(lora_rank) if lora_rank else shape.flops,
                **_run_provider(module, block, shape, provider, x, grad_output, leaves, reference, timed)}
         rows.append(row)
         measured = [f"{row['time_ms']:.2f} ms"] if row["time_ms"] else []
@@ -385,9 +424,10 @@ def _add_ratios(rows: list[dict], matmul_tflops: float | None) -> None:
         row[f"memory_vs_{REFERENCE}"] = row["peak_gib"] / peaks[REFERENCE] if has_peaks else None
 
 
-def block_meta(name: str, shape: Shape) -> dict:
+def block_meta(name: str, shape: Shape, lora_rank: int | None = None) -> dict:
     """What the JSON, the tables and the plot say of block ``name`` run at ``shape``."""
-    return {"title": BLOCKS[name].title, "block_class": BLOCKS[name].block_class, **asdict(shape), "flops": shape.flops}
+    return {"title": BLOCKS[name].title, "block_class": BLOCKS[name].block_class, **asdict(shape),
+            "lora_rank": lora_rank, "flops": shape.lora_flops(lora_rank) if lora_rank else shape.flops}
 
 
 def _fmt(value, spec: str) -> str:
@@ -406,8 +446,9 @@ def format_tables(rows: list[dict], meta: dict) -> str:
                   "Peak = max allocated during the step, weights and gradients included.", ""]
     for name in dict.fromkeys(row["block"] for row in rows):
         block, block_rows = meta["blocks"][name], [row for row in rows if row["block"] == name]
+        lora = f", LoRA r {block['lora_rank']} on frozen experts" if block.get("lora_rank") else ""
         heading = (f"### {block['title']} ({block['block_class']}): {block['tokens']} tokens, {block['experts']} "
-                   f"experts, top-{block['top_k']}, H {block['hidden']}, I {block['intermediate']}: "
+                   f"experts, top-{block['top_k']}, H {block['hidden']}, I {block['intermediate']}{lora}: "
                    f"{block['flops'] / 1e12:.3g} TFLOP per forward + backward")
         if meta["matmul_tflops"]:
             heading += f", {block['flops'] / (meta['matmul_tflops'] * 1e9):.1f} ms at the ceiling"
@@ -486,6 +527,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS), metavar="PROVIDER",
                         help=f"{', '.join(PROVIDERS)} (default: all); grouped_mm, the reference of the errors and "
                         "ratios, always runs")
+    parser.add_argument("--lora", type=int, metavar="R",
+                        help="a PEFT LoRA adapter of rank R on both stacked expert weights, over frozen experts")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, one call each, no timings (the default without a GPU)")
     parser.add_argument("--out", type=Path, help="results folder (default: tigon-out/bench-<gpu> of the working "
@@ -494,6 +537,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.providers = list(dict.fromkeys([REFERENCE, *args.providers]))
     args.blocks = [name for name in BLOCKS if name in args.blocks]
+    if args.lora is not None and args.lora < 1:
+        parser.error(f"--lora takes a rank >= 1, got {args.lora}")
     return args
 
 
@@ -515,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.blocks:
         block = BLOCKS[name]
         rows += run_block(name, args.providers, device, dtype, block.smoke if smoke else block.shape, not smoke,
-                          matmul_tflops)
+                          matmul_tflops, args.lora)
     meta = {
         "smoke": smoke, "gpu": gpu, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "matmul_tflops": matmul_tflops,
@@ -530,11 +575,13 @@ def main(argv: list[str] | None = None) -> int:
             "included), input, output gradient (resident_gib), output, saved activations, workspaces, all gradients"
         ),
         "errors": "max |a - b| and max |a - b| / max |b| against grouped_mm's output and gradients",
-        "blocks": {name: block_meta(name, BLOCKS[name].smoke if smoke else BLOCKS[name].shape) for name in args.blocks},
+        "blocks": {name: block_meta(name, BLOCKS[name].smoke if smoke else BLOCKS[name].shape, args.lora)
+                   for name in args.blocks},
     }
     out = args.out or default_out(smoke, gpu)
     out.mkdir(parents=True, exist_ok=True)
     stem = "moe_blocks" + ("" if args.blocks == list(BLOCKS) else "-" + "-".join(args.blocks))
+    stem += f"-lora{args.lora}" if args.lora else ""
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     plot(rows, meta, out / f"{stem}.png")
     print(format_tables(rows, meta))

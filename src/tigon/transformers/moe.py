@@ -35,6 +35,17 @@ is no silent fallback to ``grouped_mm``: a model asked to run tigon's experts ru
 why not. ``apply_tigon`` checks every experts module before it changes anything (``experts=False``
 keeps the model's own implementation); set directly on a config, the first forward raises.
 
+**LoRA on the experts** (PEFT 0.21's ``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])``): while the experts run, PEFT parametrizes each targeted weight so
+that reading it gives ``W + scaling · lhs @ rhs``, one ``baddbmm`` that writes a merged copy of
+every expert's weight per forward, and whose backward needs the full weight gradient. With one
+active adapter PEFT keeps the two factors (its ``_LoraFactorsProxy``); tigon then reads the base
+weight and the factors without evaluating the parametrization and hands them to the kernel as
+``gate_up_lora``/``down_lora`` (:func:`peft_expert_adapter`), which adds ``s·(x Aᵀ) Bᵀ`` inside
+the grouped matmuls and computes only the factors' gradients. Other parametrizations (several
+adapters, a base weight in FP8, which PEFT merges as a delta) are read as they are: the kernel
+gets the merged weight, as ``grouped_mm`` does.
+
 Inputs as ``grouped_mm`` takes them: ``hidden_states`` in another dtype than the weights (under
 autocast) is cast to theirs and the output cast back; the routing weights may be of any float
 dtype and get their gradient.
@@ -56,7 +67,10 @@ without transformers' experts hook) are refused.
 
 from __future__ import annotations
 
+import sys
+
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import parametrize
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from tigon import functional as F
@@ -131,19 +145,41 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     slot of another rank's experts, dropped: ``allow_dropped``) and ``top_k_weights [T, k]``
     routing weights → ``[T, H]`` in ``hidden_states``' dtype."""
     kernel = experts_kernel(self)
+    transposed = bool(self.is_transposed)
+    (gate_up_proj, gate_up_lora), (down_proj, down_lora) = (
+        peft_expert_adapter(self, name, transposed) for name in ("gate_up_proj", "down_proj")
+    )
     weights = dict(
-        gate_up_proj=self.gate_up_proj, down_proj=self.down_proj,
+        gate_up_proj=gate_up_proj, down_proj=down_proj,
         gate_up_proj_bias=self.gate_up_proj_bias if self.has_bias else None,
         down_proj_bias=self.down_proj_bias if self.has_bias else None,
     )
     _refuse_dtensors(self, dict(hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
                                 **weights))
     output = F.moe_experts(
-        hidden_states.to(self.gate_up_proj.dtype), top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-        gate_up_bias=weights["gate_up_proj_bias"], down_bias=weights["down_proj_bias"],
-        transposed=bool(self.is_transposed), allow_dropped=True, **kernel,
+        hidden_states.to(gate_up_proj.dtype), top_k_index, top_k_weights, gate_up_proj, down_proj,
+        gate_up_bias=weights["gate_up_proj_bias"], down_bias=weights["down_proj_bias"], transposed=transposed,
+        allow_dropped=True, gate_up_lora=gate_up_lora, down_lora=down_lora, **kernel,
     )
     return output.to(hidden_states.dtype)
+
+
+def peft_expert_adapter(experts, name: str, transposed: bool) -> tuple:
+    """``(weight, adapter)`` of the experts' weight ``name``: under a PEFT LoRA parametrization that
+    keeps the factors (the module docstring), the base weight and ``(lora_a [E, r, in], lora_b [E,
+    out, r], scaling)``; else the weight as reading it gives, and ``None``."""
+    if not parametrize.is_parametrized(experts, name):
+        return getattr(experts, name), None
+    chain = experts.parametrizations[name]
+    peft_lora = sys.modules.get("peft.tuners.lora.layer")
+    factors = getattr(peft_lora, "_LoraFactorsProxy", None)
+    if len(chain) != 1 or factors is None or type(chain[0]) is not factors:
+        return getattr(experts, name), None
+    proxy = chain[0]
+    # PEFT's delta is scaling · lhs @ rhs in the weight's own layout: [E, out, in] = B·A, or
+    # transposed [E, in, out] = Aᵀ·Bᵀ.
+    lora_a, lora_b = (proxy.lhs.mT, proxy.rhs.mT) if transposed else (proxy.rhs, proxy.lhs)
+    return chain.original, (lora_a, lora_b, float(proxy.scaling))
 
 
 def _refuse_dtensors(experts, tensors: dict) -> None:
