@@ -151,9 +151,10 @@ def leaf_copies(*tensors, dtype=torch.float64):
 
 def hugging_face_state():
     """What tigon's patches change in Hugging Face's modeling modules: each module's names, and the
-    ``forward`` and ``post_init`` of each family's head class; and PEFT's ``lora.Linear.forward``
-    (and ``lora.Linear4bit.forward`` with bitsandbytes)."""
+    ``forward`` and ``post_init`` of each family's head class; and PEFT's ``lora.Linear.forward``,
+    ``ParamWrapper.forward`` (and ``lora.Linear4bit.forward`` with bitsandbytes)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import ParamWrapper
 
     from tigon.transformers import FAMILIES, patching
 
@@ -165,7 +166,7 @@ def hugging_face_state():
         head = getattr(module, family.head) if family.head else None
         methods = {name: vars(head).get(name) for name in ("forward", "post_init")} if head else {}
         state.append((module, dict(vars(module)), head, methods))
-    peft_layers = [LoraLinear]
+    peft_layers = [LoraLinear, ParamWrapper]
     if importlib.util.find_spec("bitsandbytes") is not None:
         from peft.tuners.lora.bnb import Linear4bit
 

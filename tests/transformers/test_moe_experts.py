@@ -328,27 +328,41 @@ def test_expert_parallel_sentinel_slots_are_dropped(model_type):
         experts(hidden_states, past_the_sentinel, top_k_weights.to(hidden_states.device))
 
 
+@pytest.mark.parametrize("route", ["apply_tigon", "experts_implementation"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone(model_type):
+def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone(model_type, route, monkeypatch):
     # PEFT 0.21's target_parameters: LoRA on the experts' stacked weights ([E, out, in], or GPT-OSS's
     # transposed [E, in, out]), applied by a parametrization that hands the experts W + s·B·A while
-    # they run: a baddbmm per forward, and the full weight gradient in backward. tigon reads the
-    # factors instead (no baddbmm in its graph) and gives PEFT's loss and gradients.
+    # they run: a baddbmm per forward (one more when it is registered, as a check), and the full
+    # weight gradient in backward. tigon hands its kernel the factors instead: through its patch of
+    # PEFT's ParamWrapper (apply_tigon) nothing merges them; with only experts_implementation="tigon"
+    # PEFT's registration check still does, but the step does not use it.
     import peft
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import layer
 
     if Version(peft.__version__) < Version("0.21"):
         pytest.skip(f"LoRA on stacked experts is checked with PEFT 0.21 and later, not {peft.__version__}")
+    merges = []
+    factors_forward = layer._LoraFactorsProxy.forward
+    monkeypatch.setattr(layer._LoraFactorsProxy, "forward", lambda self, W: merges.append(W) or factors_forward(self, W))
 
     def step(tigon: bool):
         model = build(model_type)
-        if tigon:
+        if tigon and route == "apply_tigon":
             apply_tigon(model)
+        elif tigon:
+            moe.register()
+            model.set_experts_implementation(moe.IMPLEMENTATION)
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-        return loss_and_grads(get_peft_model(model, config), batch_of(model_type))
+        merges.clear()
+        return loss_and_grads(get_peft_model(model, config), batch_of(model_type)), len(merges)
 
-    truth, run = step(tigon=False), step(tigon=True)
+    (truth, truth_merges), (run, run_merges) = step(tigon=False), step(tigon=True)
+    n_layers = sum(1 for module in experts_modules(build(model_type)))
+    assert truth_merges == 4 * n_layers  # two weights a layer, each merged twice
+    assert run_merges == (0 if route == "apply_tigon" else 2 * n_layers)
     assert KERNEL in run[1] and KERNEL not in truth[1]
     assert "BaddbmmBackward0" in truth[1] and "BaddbmmBackward0" not in run[1]
     for factor in ("lora_A", "lora_B"):

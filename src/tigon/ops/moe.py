@@ -610,13 +610,16 @@ def _zero_dropped(out, meta, by_pair):
     )
 
 
-def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in):
+def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in, low_rank=False):
     """``dW_e[o, i] = Σ_r a[r, o] · b[r, i]`` over each expert's rows, as a new tensor
-    shaped as the weight ``like`` (``o`` its dim 1, ``i`` its dim 2; the reverse when transposed)."""
+    shaped as the weight ``like`` (``o`` its dim 1, ``i`` its dim 2; the reverse when transposed);
+    ``low_rank``: an adapter factor's, whose smaller side (the rank) takes a tile of its size."""
     _, row_token, expert_end, _, _ = meta
     dw = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     o_dim, i_dim = (2, 1) if transposed else (1, 2)
-    config = _tiles(a.dtype)["weight_grad"]
+    config = dict(_tiles(a.dtype)["weight_grad"])
+    if low_rank:
+        config["BLOCK_O" if n_out < n_in else "BLOCK_I"] = max(16, triton.next_power_of_2(min(n_out, n_in)))
     grid = (like.shape[0] * triton.cdiv(n_out, config["BLOCK_O"]) * triton.cdiv(n_in, config["BLOCK_I"]),)
     moe_weight_grad_kernel[grid](
         a, b, row_token, expert_end, dw,
@@ -746,8 +749,8 @@ def moe_bwd(
         BLOCK_M=tiles["block_m"], **lora_options, **config,
     )
     if u_down is not None:
-        d_down_a = _weight_grad(u_down, wh, False, False, meta, down_lora_a, False, u_down.shape[1], n_inter)
-        d_down_b = _weight_grad(dy, t_down, True, False, meta, down_lora_b, False, n_hidden, t_down.shape[1])
+        d_down_a = _weight_grad(u_down, wh, False, False, meta, down_lora_a, False, u_down.shape[1], n_inter, True)
+        d_down_b = _weight_grad(dy, t_down, True, False, meta, down_lora_b, False, n_hidden, t_down.shape[1], True)
     d_down = none
     if needs_d_down:
         d_down = _weight_grad(dy, wh, True, False, meta, down_proj, transposed, n_hidden, n_inter)
@@ -755,9 +758,9 @@ def moe_bwd(
     if gate_up_lora_a is not None:
         u_gate_up = _low_rank(gate_up, False, gate_up_lora_b, True, gate_up_scaling, meta)
         d_gate_up_a = _weight_grad(u_gate_up, x, False, True, meta, gate_up_lora_a, False, u_gate_up.shape[1],
-                                   n_hidden)
+                                   n_hidden, True)
         d_gate_up_b = _weight_grad(gate_up, t_gate_up, False, False, meta, gate_up_lora_b, False, 2 * n_inter,
-                                   t_gate_up.shape[1])
+                                   t_gate_up.shape[1], True)
     dx = none
     if needs_dx:
         dx = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=dy.device)
@@ -772,6 +775,16 @@ def moe_bwd(
     return dx, d_gate_up, d_down, d_row_weight.sum(dim=0), d_gate_up_a, d_gate_up_b, d_down_a, d_down_b
 
 
+def _rank_major(lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> tuple:
+    """An adapter's factors ``lora_a [E, r, in]``, ``lora_b [E, out, r]``, both laid out ``[E, r, ·]``
+    in memory (copies unless they are): the kernels read their ``[r, n]`` and ``[n, r]`` tiles along
+    ``n``. PEFT's ``lora_B`` of stacked experts is ``[out, r·E]``, expert ``e`` every ``E``-th
+    column: read in place, each element would cost its own memory sector."""
+    if lora_a is None:
+        return None, None
+    return lora_a.contiguous(), lora_b.mT.contiguous().mT
+
+
 class MoEExpertsFunction(torch.autograd.Function):
     """The experts of a MoE layer (module docstring); arguments as :func:`tigon.functional.moe_experts`."""
 
@@ -782,6 +795,8 @@ class MoEExpertsFunction(torch.autograd.Function):
         n_experts = gate_up_proj.shape[0]
         meta = routing(top_k_index, n_experts, _tiles(x.dtype)["block_m"])
         row_weight = top_k_weights.reshape(-1)[meta[0]].float()
+        gate_up_lora_a, gate_up_lora_b = _rank_major(gate_up_lora_a, gate_up_lora_b)
+        down_lora_a, down_lora_b = _rank_major(down_lora_a, down_lora_b)
         adapters = (gate_up_lora_a, gate_up_lora_b, gate_up_scaling, down_lora_a, down_lora_b, down_scaling)
         y, gate_up, wh, t_gate_up, t_down = moe_fwd(
             x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, *meta,

@@ -12,6 +12,10 @@ The patch is on PEFT's class, so adapters added after tigon's patch (``get_peft_
 patched model, or ``SFTTrainer(peft_config=...)``) take the fused path too. Parameters, names and
 saved adapter files are PEFT's own: only ``forward`` changes.
 
+LoRA on MoE experts' stacked weights (PEFT's ``target_parameters``, ``ParamWrapper``): its forward
+hands the experts the adapters' factors, which tigon's experts kernel fuses into its grouped
+matmuls (see :mod:`tigon.transformers.moe`).
+
 QLoRA: over bitsandbytes' 4-bit base layers, PEFT's ``lora.Linear4bit.forward`` runs the base
 layer's own 4-bit matmul and adds the adapter by :func:`tigon.functional.add_lora` (one ``addmm``
 over the base output, no fp32 copies); the whole-MLP function does not apply there.
@@ -37,6 +41,7 @@ from torch.nn.modules import module as _module
 
 from tigon import functional as F
 from tigon.nn import linear_weight_usable
+from tigon.transformers import moe
 
 
 class Adapter(NamedTuple):
@@ -154,6 +159,24 @@ def lora_4bit_forward(forward):
     return tigon_lora_4bit_forward
 
 
+def param_wrapper_forward(forward):
+    """PEFT's ``ParamWrapper.forward`` (LoRA on an experts module's stacked weights): the experts
+    called directly with the chain's adapters when tigon's kernel computes them
+    (:func:`tigon.transformers.moe.peft_adapters`), else ``forward`` (PEFT's own)."""
+
+    @functools.wraps(forward)
+    def tigon_param_wrapper_forward(self, x, *args, **kwargs):
+        adapters = None if kwargs.get("adapter_names") else moe.peft_adapters(self)
+        if adapters is None:
+            return forward(self, x, *args, **kwargs)
+        experts = self.get_base_layer()
+        with moe.handing_adapters(experts, adapters):
+            return experts(x, *args, **kwargs)
+
+    tigon_param_wrapper_forward.tigon_wraps = forward
+    return tigon_param_wrapper_forward
+
+
 def _patched_peft_linear():
     """PEFT's ``lora.Linear`` if it is imported and patched, else ``None`` (a cheap check, made on
     every MLP forward)."""
@@ -170,6 +193,9 @@ def _peft_patches() -> list:
     from peft.tuners.lora.layer import Linear
 
     patches = [(Linear, lora_linear_forward)]
+    param_wrapper = getattr(importlib.import_module("peft.tuners.lora.layer"), "ParamWrapper", None)
+    if param_wrapper is not None:  # PEFT 0.17 and newer: LoRA on parameters (target_parameters)
+        patches.append((param_wrapper, param_wrapper_forward))
     if importlib.util.find_spec("bitsandbytes") is not None:
         from peft.tuners.lora.bnb import Linear4bit
 
@@ -178,8 +204,8 @@ def _peft_patches() -> list:
 
 
 def patch_peft() -> None:
-    """Route PEFT's ``lora.Linear.forward`` (and, with bitsandbytes, ``lora.Linear4bit.forward``)
-    through tigon (idempotent; nothing without PEFT)."""
+    """Route PEFT's ``lora.Linear.forward``, ``ParamWrapper.forward`` (and, with bitsandbytes,
+    ``lora.Linear4bit.forward``) through tigon (idempotent; nothing without PEFT)."""
     for layer_class, wrap in _peft_patches():
         if not hasattr(layer_class.forward, "tigon_wraps"):
             layer_class.forward = wrap(layer_class.forward)

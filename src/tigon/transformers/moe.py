@@ -36,15 +36,21 @@ why not. ``apply_tigon`` checks every experts module before it changes anything 
 keeps the model's own implementation); set directly on a config, the first forward raises.
 
 **LoRA on the experts** (PEFT 0.21's ``LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
-"mlp.experts.down_proj"])``): while the experts run, PEFT parametrizes each targeted weight so
-that reading it gives ``W + scaling · lhs @ rhs``, one ``baddbmm`` that writes a merged copy of
-every expert's weight per forward, and whose backward needs the full weight gradient. With one
-active adapter PEFT keeps the two factors (its ``_LoraFactorsProxy``); tigon then reads the base
-weight and the factors without evaluating the parametrization and hands them to the kernel as
-``gate_up_lora``/``down_lora`` (:func:`peft_expert_adapter`), which adds ``s·(x Aᵀ) Bᵀ`` inside
-the grouped matmuls and computes only the factors' gradients. Other parametrizations (several
-adapters, a base weight in FP8, which PEFT merges as a delta) are read as they are: the kernel
-gets the merged weight, as ``grouped_mm`` does.
+"mlp.experts.down_proj"])``, one ``ParamWrapper`` per weight, nested): while the experts run, PEFT
+parametrizes each targeted weight so that reading it gives ``W + scaling · lhs @ rhs``, a
+``baddbmm`` that writes a merged copy of every expert's weight (registering it evaluates it once
+more, as a check), and whose backward needs the full weight gradient. tigon hands the kernel the
+base weights and the factors instead, as ``gate_up_lora``/``down_lora``: it adds ``s·(x Aᵀ) Bᵀ``
+inside the grouped matmuls and computes only the factors' gradients. Two ways in:
+
+- with tigon's PEFT patch (:func:`~tigon.transformers.apply_tigon`), PEFT's ``ParamWrapper.forward``
+  calls the experts directly with the adapters of the whole chain (:func:`peft_adapters`,
+  :func:`handing_adapters`): no parametrization is registered or evaluated;
+- without it, the experts find PEFT's parametrization, and where it keeps the factors (one active
+  adapter: its ``_LoraFactorsProxy``) read them without evaluating it (:func:`peft_expert_adapter`).
+
+Anything else (several adapters, a base weight in FP8, which PEFT merges as a delta, merged or
+disabled adapters) runs as PEFT runs it: the kernel gets the merged weight, as ``grouped_mm`` does.
 
 Inputs as ``grouped_mm`` takes them: ``hidden_states`` in another dtype than the weights (under
 autocast) is cast to theirs and the output cast back; the routing weights may be of any float
@@ -67,8 +73,10 @@ without transformers' experts hook) are refused.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
+import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
@@ -146,8 +154,10 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     routing weights → ``[T, H]`` in ``hidden_states``' dtype."""
     kernel = experts_kernel(self)
     transposed = bool(self.is_transposed)
+    handed = getattr(self, "tigon_adapters", None)
     (gate_up_proj, gate_up_lora), (down_proj, down_lora) = (
-        peft_expert_adapter(self, name, transposed) for name in ("gate_up_proj", "down_proj")
+        (getattr(self, name), handed.get(name)) if handed is not None else peft_expert_adapter(self, name, transposed)
+        for name in ("gate_up_proj", "down_proj")
     )
     weights = dict(
         gate_up_proj=gate_up_proj, down_proj=down_proj,
@@ -176,10 +186,55 @@ def peft_expert_adapter(experts, name: str, transposed: bool) -> tuple:
     if len(chain) != 1 or factors is None or type(chain[0]) is not factors:
         return getattr(experts, name), None
     proxy = chain[0]
-    # PEFT's delta is scaling · lhs @ rhs in the weight's own layout: [E, out, in] = B·A, or
-    # transposed [E, in, out] = Aᵀ·Bᵀ.
-    lora_a, lora_b = (proxy.lhs.mT, proxy.rhs.mT) if transposed else (proxy.rhs, proxy.lhs)
-    return chain.original, (lora_a, lora_b, float(proxy.scaling))
+    return chain.original, _kernel_adapter(proxy.lhs, proxy.rhs, proxy.scaling, transposed)
+
+
+def _kernel_adapter(lhs, rhs, scaling, transposed: bool) -> tuple:
+    """PEFT's delta ``scaling · lhs @ rhs``, in the weight's own layout (``[E, out, in]`` = B·A, or
+    transposed ``[E, in, out]`` = Aᵀ·Bᵀ), as the kernel's ``(lora_a [E, r, in], lora_b [E, out, r],
+    scaling)``."""
+    lora_a, lora_b = (lhs.mT, rhs.mT) if transposed else (rhs, lhs)
+    return lora_a, lora_b, float(scaling)
+
+
+# PEFT's parameter dtypes whose delta it folds with the factors (others, FP8, it merges as a delta).
+_FACTOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def peft_adapters(wrapper) -> dict | None:
+    """The adapters of PEFT's ``ParamWrapper`` chain ``wrapper`` over an experts module that runs
+    tigon's kernel, ``{"gate_up_proj": (lora_a, lora_b, scaling), ...}`` (a weight without an
+    active adapter is left out); ``None`` where the chain holds anything the kernel does not
+    compute exactly, so that PEFT's own forward runs."""
+    experts = wrapper.get_base_layer()
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != IMPLEMENTATION:
+        return None
+    transposed = bool(getattr(experts, "is_transposed", False))
+    adapters = {}
+    layer = wrapper
+    while layer is not experts:
+        name = getattr(layer, "parameter_name", None)
+        if type(layer) is not type(wrapper) or name not in ("gate_up_proj", "down_proj") or name in adapters:
+            return None
+        if layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1 or layer.num_experts < 2:
+            return None
+        (adapter,) = layer.active_adapters
+        if adapter in layer.lora_A:
+            if layer.get_param().dtype not in _FACTOR_DTYPES:
+                return None
+            adapters[name] = _kernel_adapter(*layer.get_delta_factors(adapter), transposed)
+        layer = layer.base_layer
+    return adapters
+
+
+@contextlib.contextmanager
+def handing_adapters(experts, adapters: dict):
+    """``adapters`` (:func:`peft_adapters`) read by :func:`experts_forward` of ``experts`` inside the ``with``."""
+    experts.tigon_adapters = adapters
+    try:
+        yield
+    finally:
+        del experts.tigon_adapters
 
 
 def _refuse_dtensors(experts, tensors: dict) -> None:
