@@ -272,12 +272,20 @@ def routed(module: torch.nn.Module, block: Block, provider: str, on_gpu: bool):
         finally:
             del experts.forward
         return
-    if provider == "tigon":
-        from tigon.transformers.moe import register
-
-        register()
     experts.config._experts_implementation = provider
-    yield
+    if provider != "tigon":
+        yield
+        return
+    # As apply_tigon sets it up: tigon's experts registered, and PEFT's LoRA layers routed to them.
+    from tigon.transformers.lora import patch_peft, unpatch_peft
+    from tigon.transformers.moe import register
+
+    register()
+    patch_peft()
+    try:
+        yield
+    finally:
+        unpatch_peft()
 
 
 def _step(module: torch.nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

@@ -170,7 +170,7 @@ def moe_gate_up_kernel(
 ):
     # Interleaved weights give one [BLOCK_K, 2·BLOCK_N] tile of (gate, up) pairs per step, split
     # after the loop; concatenated ones a gate tile and an up tile, n_inter columns apart. With an
-    # adapter, its term t_r B_eᵀ (t = s·x A_eᵀ, computed before) joins the product first.
+    # adapter, its term t_r B_eᵀ (t = s·x A_eᵀ, computed before) starts the accumulators.
     expert, rows, tokens, row_mask, pid_n = _row_tile(
         TILE_EXPERT, TILE_ROW, EXPERT_END, ROW_TOKEN, n_inter, BLOCK_M, BLOCK_N
     )
@@ -182,6 +182,14 @@ def moe_gate_up_kernel(
     w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wc
     acc = tl.zeros((BLOCK_M, cols.shape[0]), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        # The adapter's term first: its loads then overlap the main loop's first ones.
+        t = _low_rank_rows(LORA_T, rows, row_mask, stride_t, n_rank, BLOCK_R)
+        acc = _add_low_rank(acc, t, LORA_B, expert, stride_le, stride_lr, stride_lc, cols, col_mask, n_rank,
+                            PRECISION, BLOCK_R)
+        if not INTERLEAVED:
+            acc_up = _add_low_rank(acc_up, t, LORA_B, expert, stride_le, stride_lr, stride_lc, cols + n_inter,
+                                   col_mask, n_rank, PRECISION, BLOCK_R)
     for k0 in range(0, n_in, BLOCK_K):
         k_mask = ks < n_in - k0
         a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
@@ -191,13 +199,6 @@ def moe_gate_up_kernel(
             acc_up = _dot(a, tl.load(w_ptrs + n_inter * stride_wc, mask=w_mask, other=0.0), acc_up, PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_LORA:
-        t = _low_rank_rows(LORA_T, rows, row_mask, stride_t, n_rank, BLOCK_R)
-        acc = _add_low_rank(acc, t, LORA_B, expert, stride_le, stride_lr, stride_lc, cols, col_mask, n_rank,
-                            PRECISION, BLOCK_R)
-        if not INTERLEAVED:
-            acc_up = _add_low_rank(acc_up, t, LORA_B, expert, stride_le, stride_lr, stride_lc, cols + n_inter,
-                                   col_mask, n_rank, PRECISION, BLOCK_R)
     b_ptrs = BIAS + expert * stride_be + cols
     gu_ptrs = GATE_UP + rows[:, None] * stride_gu + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
@@ -219,14 +220,13 @@ def moe_gate_up_kernel(
 
 
 @triton.jit
-def _expert_matmul(A, a_rows, stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_in,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``A[a_rows] W_e[:, cols]`` in fp32, ``[BLOCK_M, BLOCK_N]``: ``a_rows`` (int64) must be valid
-    rows of ``A`` (masked rows read a valid one), ``W_e`` viewed as ``[n_in, ·]`` through strides."""
+def _expert_matmul(acc, A, a_rows, stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_in,
+                   PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + A[a_rows] W_e[:, cols]`` in fp32, ``[BLOCK_M, BLOCK_N]``: ``a_rows`` (int64) must be
+    valid rows of ``A`` (masked rows read a valid one), ``W_e`` viewed as ``[n_in, ·]`` through strides."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = A + a_rows[:, None] * stride_a + ks[None, :]
     w_ptrs = W + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, n_in, BLOCK_K):
         k_mask = ks < n_in - k0
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
@@ -256,15 +256,16 @@ def moe_scatter_kernel(
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_out
-    # Rows past the expert's end (past A's last row in the last tile) read row 0.
-    acc = _expert_matmul(
-        A, tl.where(row_mask, rows, 0), stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_in,
-        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:
         t = _low_rank_rows(LORA_T, rows, row_mask, stride_t, n_rank, BLOCK_R)
         acc = _add_low_rank(acc, t, LORA_Q, expert, stride_qe, stride_qr, stride_qn, cols, col_mask, n_rank,
                             PRECISION, BLOCK_R)
+    # Rows past the expert's end (past A's last row in the last tile) read row 0.
+    acc = _expert_matmul(
+        acc, A, tl.where(row_mask, rows, 0), stride_a, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask,
+        n_in, PRECISION, BLOCK_K,
+    )
     if HAS_BIAS:
         bias = tl.load(BIAS + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)
         acc += tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None] * bias[None, :]
@@ -319,14 +320,15 @@ def moe_down_bwd_kernel(
         return
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_inter
-    g = _expert_matmul(
-        DY, tokens, stride_dy, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_hidden,
-        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
+    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:
         u = _low_rank_rows(LORA_U, rows, row_mask, stride_u, n_rank, BLOCK_R)
         g = _add_low_rank(g, u, LORA_A, expert, stride_le, stride_lr, stride_ln, cols, col_mask, n_rank,
                           PRECISION, BLOCK_R)
+    g = _expert_matmul(
+        g, DY, tokens, stride_dy, W, expert, stride_we, stride_wk, stride_wn, cols, col_mask, n_hidden,
+        PRECISION, BLOCK_K,
+    )
     mask = row_mask[:, None] & col_mask[None, :]
     pair_cols, pair_mask = _pair_columns(pid_n, n_inter, INTERLEAVED, BLOCK_N)
     gu_ptrs = GATE_UP + rows[:, None] * stride_gu + pair_cols[None, :]
@@ -373,8 +375,8 @@ def moe_low_rank_kernel(
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < n_rank
     acc = _expert_matmul(
-        A, tokens if GATHER else tl.where(row_mask, rows, 0), stride_a, P, expert, stride_pe, stride_pk, stride_pr,
-        ranks, rank_mask, n_in, PRECISION, BLOCK_M, BLOCK_R, BLOCK_K,
+        tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), A, tokens if GATHER else tl.where(row_mask, rows, 0),
+        stride_a, P, expert, stride_pe, stride_pk, stride_pr, ranks, rank_mask, n_in, PRECISION, BLOCK_K,
     )
     tl.store(OUT + rows[:, None] * stride_out + ranks[None, :], (acc * scaling).to(OUT.dtype.element_ty),
              mask=row_mask[:, None] & rank_mask[None, :])
