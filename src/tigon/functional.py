@@ -502,7 +502,7 @@ def _check_gated_mlp_args(
             check_same_device(x=x, **{f"{projection}_lora[0] (lora_a)": lora[0]})
 
 
-def _adapter_tuple(name: str, lora) -> LoraAdapter:
+def _adapter_tuple(name: str, lora: object) -> LoraAdapter:
     if not (isinstance(lora, (tuple, list)) and len(lora) == 3):
         raise TypeError(f"{name} must be None or (lora_a, lora_b, scaling), got {type(lora).__name__}")
     return tuple(lora)

@@ -32,6 +32,19 @@ gathered copy of ``x`` or ``dy`` (``[S, H]``):
 - ``moe_weight_grad_kernel``: per expert, ``dW = Σ_r aᵣᵀ bᵣ`` over the expert's rows: ``dW2 =
   Σ dy_tᵀ wh_r`` and ``dW1 = Σ d_gate_upᵣᵀ x_t``, gathering ``dy`` and ``x`` by token.
 
+LoRA adapters per expert (PEFT's ``target_parameters`` on the stacked weights), on either
+projection: ``W_e + s·B_e A_e`` with ``A [E, r, in]``, ``B [E, out, r]``, never formed. For a
+projection of rows ``a`` (``x`` gathered by token, or ``wh``)::
+
+    t_r = s · a_r A_eᵀ                       [S, r], moe_low_rank_kernel, kept for backward
+    out_r = t_r B_eᵀ + a_r W_eᵀ              t·Bᵀ starts the accumulator of the kernel above
+    u_r = s · g_r B_e                        g: the gradient of out_r (dy_t, or d_gate_up_r)
+    da_r += u_r A_e                          in moe_down_bwd_kernel / the dx scatter, likewise
+    dA_e = Σ_r u_rᵀ a_r,   dB_e = Σ_r g_rᵀ t_r     moe_weight_grad_kernel, rank-sized tiles
+
+The factors are laid out ``[E, r, ·]`` in memory first (PEFT's ``lora_B`` holds expert ``e`` in
+every ``E``-th column), and their rank is padded to the tensor cores' 16.
+
 Layouts, as transformers 5 stores experts (``use_experts_implementation``): ``gate_up_proj [E, 2I,
 H]`` and ``down_proj [E, H, I]``, or transposed (``[E, H, 2I]``, ``[E, I, H]``, GPT-OSS), with the
 ``2I`` columns concatenated ``[gate | up]`` or interleaved ``[g0, u0, g1, u1, …]`` (GPT-OSS); all
