@@ -368,3 +368,23 @@ def test_peft_lora_on_the_stacked_experts_trains_as_peft_alone(model_type, route
     for factor in ("lora_A", "lora_B"):
         assert any(".mlp.experts." in name and factor in name for name in run[2])
     assert_matches(run, truth)
+
+
+def test_peft_lora_on_the_experts_disabled_runs_the_base_experts():
+    # PEFT's disable_adapter(): tigon's ParamWrapper patch hands nothing over, PEFT's own forward
+    # runs the experts (still on tigon's kernel) without the adapters.
+    import peft
+    from peft import LoraConfig, get_peft_model
+
+    if Version(peft.__version__) < Version("0.21"):
+        pytest.skip(f"LoRA on stacked experts is checked with PEFT 0.21 and later, not {peft.__version__}")
+    batch = batch_of("qwen3_moe")
+    model = apply_tigon(build("qwen3_moe"))
+    base_loss = model(**batch).loss.detach()
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    peft_model = get_peft_model(model, config)
+    with peft_model.disable_adapter():
+        loss = peft_model(**batch).loss.detach()
+    assert relative_error(loss, base_loss) <= TIGHT
+    assert relative_error(peft_model(**batch).loss.detach(), base_loss) > 1e-4  # the adapters, enabled again

@@ -207,7 +207,10 @@ def peft_adapters(wrapper) -> dict | None:
     active adapter is left out); ``None`` where the chain holds anything the kernel does not
     compute exactly, so that PEFT's own forward runs."""
     experts = wrapper.get_base_layer()
-    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != IMPLEMENTATION:
+    # Only an experts module whose forward dispatches to experts_forward reads the adapters: one of
+    # a use_experts_implementation class (is_transposed), set to "tigon", its forward not replaced.
+    implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    if implementation != IMPLEMENTATION or not hasattr(experts, "is_transposed") or "forward" in vars(experts):
         return None
     transposed = bool(getattr(experts, "is_transposed", False))
     adapters = {}
