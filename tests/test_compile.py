@@ -124,20 +124,25 @@ def test_lora_paths_compile_fullgraph():
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-5)
 
 
-def test_moe_experts_compile_fullgraph():
-    """The experts' routing and kernels are custom ops: a fullgraph compile matches eager mode."""
+@pytest.mark.parametrize("lora", [False, True], ids=["", "lora"])
+def test_moe_experts_compile_fullgraph(lora):
+    """The experts' routing and kernels are custom ops: a fullgraph compile matches eager mode,
+    with LoRA adapters on the experts (frozen) too."""
     torch.manual_seed(0)
-    tokens, hidden, inter, n_experts, top_k = 21, 32, 24, 5, 2
+    tokens, hidden, inter, n_experts, top_k, rank = 21, 32, 24, 5, 2, 4
     x = randn(tokens, hidden, requires_grad=True)
     router = randn(n_experts, hidden, requires_grad=True)
-    gate_up = randn(n_experts, 2 * inter, hidden, requires_grad=True, scale=hidden**-0.5)
-    down = randn(n_experts, hidden, inter, requires_grad=True, scale=inter**-0.5)
+    gate_up = randn(n_experts, 2 * inter, hidden, requires_grad=not lora, scale=hidden**-0.5)
+    down = randn(n_experts, hidden, inter, requires_grad=not lora, scale=inter**-0.5)
+    factors = [randn(n_experts, rank, hidden, requires_grad=True), randn(n_experts, 2 * inter, rank, requires_grad=True),
+               randn(n_experts, rank, inter, requires_grad=True), randn(n_experts, hidden, rank, requires_grad=True)]
+    adapters = dict(gate_up_lora=(*factors[:2], 0.5), down_lora=(*factors[2:], 0.5)) if lora else {}
 
     def block(x):
         weights, index = torch.topk(torch.softmax(x @ router.T, dim=-1), top_k, dim=-1)
-        return tf.moe_experts(x, index, weights, gate_up, down).square().sum()
+        return tf.moe_experts(x, index, weights, gate_up, down, **adapters).square().sum()
 
-    leaves = [x, router, gate_up, down]
+    leaves = [x, router, *(factors if lora else (gate_up, down))]
     eager = torch.autograd.grad(block(x), leaves)
     torch._dynamo.reset()
     compiled = torch.autograd.grad(torch.compile(block, fullgraph=True, backend=BACKEND)(x), leaves)

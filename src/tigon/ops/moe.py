@@ -646,6 +646,11 @@ def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in, 
     return dw
 
 
+def _or_empty(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a new empty one where it is absent: a custom op's outputs may not alias."""
+    return like.new_empty((0,)) if tensor is None else tensor
+
+
 def _moe_fwd_fake(x, gate_up_proj, down_proj, gate_up_bias, down_bias, row_weight, order, row_token, expert_end,
                   tile_expert, tile_row, gate, transposed, interleaved, alpha, limit, gate_up_lora_a=None,
                   gate_up_lora_b=None, gate_up_scaling=1.0, down_lora_a=None, down_lora_b=None, down_scaling=1.0):
@@ -679,7 +684,6 @@ def moe_fwd(
     n_rows, n_inter = row_token.numel(), layout.n_inter
     gate_up = x.new_empty((n_rows, 2 * n_inter))
     wh = x.new_empty((n_rows, n_inter))
-    none = x.new_empty((0,))
     t_gate_up = t_down = None
     if gate_up_lora_a is not None:
         t_gate_up = _low_rank(x, True, gate_up_lora_a, False, gate_up_scaling, meta)
@@ -705,7 +709,7 @@ def moe_fwd(
              _low_rank_term(t_down, down_lora_b, False, x.device))
     _zero_dropped(rows, meta, by_pair=True)
     y = rows.view(n_tokens, n_rows // max(n_tokens, 1), n_hidden).sum(dim=1)
-    return y, gate_up, wh, none if t_gate_up is None else t_gate_up, none if t_down is None else t_down
+    return y, gate_up, wh, _or_empty(t_gate_up, x), _or_empty(t_down, x)
 
 
 def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, wh, row_weight, order, row_token, expert_end,
@@ -743,11 +747,10 @@ def moe_bwd(
     n_tokens, n_hidden = dy.shape
     n_inter = layout.n_inter
     config = tiles["down_bwd"]
-    none = dy.new_empty((0,))
     # An adapter y += t_r B_eᵀ with t_r = s·a_r A_eᵀ (a = x or wh) sends the row's output gradient
     # g_r back through u_r = s·g_r B_e: a_r's gradient gains u_r A_e, and
     #     dA_e = Σ_r u_rᵀ a_r,   dB_e = Σ_r g_rᵀ t_r      over expert e's rows.
-    d_down_a = d_down_b = d_gate_up_a = d_gate_up_b = none
+    d_down_a = d_down_b = d_gate_up_a = d_gate_up_b = None
     u_down = None
     if down_lora_a is not None:
         u_down = _low_rank(dy, True, down_lora_b, True, down_scaling, meta)
@@ -766,7 +769,7 @@ def moe_bwd(
     if u_down is not None:
         d_down_a = _weight_grad(u_down, wh, False, False, meta, down_lora_a, False, u_down.shape[1], n_inter, True)
         d_down_b = _weight_grad(dy, t_down, True, False, meta, down_lora_b, False, n_hidden, t_down.shape[1], True)
-    d_down = none
+    d_down = None
     if needs_d_down:
         d_down = _weight_grad(dy, wh, True, False, meta, down_proj, transposed, n_hidden, n_inter)
     u_gate_up = None
@@ -776,18 +779,19 @@ def moe_bwd(
                                    n_hidden, True)
         d_gate_up_b = _weight_grad(gate_up, t_gate_up, False, False, meta, gate_up_lora_b, False, 2 * n_inter,
                                    t_gate_up.shape[1], True)
-    dx = none
+    dx = None
     if needs_dx:
         dx = torch.zeros((n_tokens, n_hidden), dtype=torch.float32, device=dy.device)
         _scatter("dx", gate_up, gate_up_proj, layout.gate_up_cn, None, None, meta, dx, 2 * n_inter,
                  _low_rank_term(u_gate_up, gate_up_lora_a, True, dy.device))
         dx = dx.to(x.dtype)
-    d_gate_up = none
+    d_gate_up = None
     if needs_d_gate_up:
         d_gate_up = _weight_grad(gate_up, x, False, True, meta, gate_up_proj, transposed, 2 * n_inter, n_hidden)
     if zero_dropped:
         _zero_dropped(gate_up, meta, by_pair=False)
-    return dx, d_gate_up, d_down, d_row_weight.sum(dim=0), d_gate_up_a, d_gate_up_b, d_down_a, d_down_b
+    return (_or_empty(dx, dy), _or_empty(d_gate_up, dy), _or_empty(d_down, dy), d_row_weight.sum(dim=0),
+            *(_or_empty(grad, dy) for grad in (d_gate_up_a, d_gate_up_b, d_down_a, d_down_b)))
 
 
 def _rank_major(lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> tuple:
