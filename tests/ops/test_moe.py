@@ -160,6 +160,23 @@ def test_moe_experts_lora_on_one_projection_over_frozen_experts(projection):
     assert not grads[f"{projection}_lora.lora_a"][3].any() and not grads[f"{projection}_lora.lora_b"][3].any()
 
 
+def test_moe_experts_frozen_lora_still_shapes_the_input_gradient():
+    """Frozen adapters (no factor gradient computed) still add their term to the output and to the
+    input's gradient."""
+    shape, layout = SHAPES[0], LAYOUTS[0]
+    inputs = {**_experts(shape, torch.float32, layout), **_adapters(shape, torch.float32, rank=8)}
+    for name in ("gate_up_proj", "down_proj", "top_k_weights"):
+        inputs[name].requires_grad_(False)
+    for lora_a, lora_b, _ in (inputs["gate_up_lora"], inputs["down_lora"]):
+        lora_a.requires_grad_(False)
+        lora_b.requires_grad_(False)
+    out, grads = _run(inputs, layout, tf.moe_experts)
+    truth, truth_grads = _run(inputs, layout, reference.moe_experts, dtype=torch.float64)
+    assert grads.keys() == {"hidden_states"}
+    assert_close(out, truth, torch.float32, "output")
+    assert_close(grads["hidden_states"], truth_grads["hidden_states"], torch.float32, "grad of hidden_states")
+
+
 def test_moe_experts_edge_cases():
     """Experts that receive no token, top-1 routing, a single token, an expert count that is not a
     power of two, no token at all, and frozen expert weights (no weight gradient, the input's

@@ -225,15 +225,13 @@ def build_block(block: Block, shape: Shape, device, dtype) -> torch.nn.Module:
 
 def add_lora(module: torch.nn.Module, rank: int) -> None:
     """PEFT's LoRA of ``rank`` on ``module``'s stacked expert weights, both factors random (as after
-    some training: PEFT's zero ``B`` would hide the adapter's term), the expert weights frozen."""
+    some training: PEFT's zero ``B`` would hide the adapter's term); PEFT freezes every other
+    parameter (the experts' and the router's)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
                         target_parameters=["experts.gate_up_proj", "experts.down_proj"])
     inject_adapter_in_model(config, module)
-    for name, parameter in module.named_parameters():
-        if ".experts." in name and "lora_" not in name:
-            parameter.requires_grad_(False)
 
 
 def _experts(module: torch.nn.Module) -> torch.nn.Module:

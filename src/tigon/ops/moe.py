@@ -560,6 +560,11 @@ def _optional(tensor: torch.Tensor | None, device: torch.device) -> tuple[torch.
     return (empty_tensor(device), 0) if tensor is None else (tensor, tensor.stride(0))
 
 
+def _rank_block(rank: int) -> int:
+    """``BLOCK_R``: an adapter's rank padded to a power of two, at least the tensor cores' 16."""
+    return max(16, triton.next_power_of_2(rank))
+
+
 def _factor_strides(factor: torch.Tensor, as_stored: bool) -> tuple[int, int, int]:
     """Strides of an adapter factor ``[E, d1, d2]`` read as ``[E, d1, d2]`` or, transposed, ``[E, d2, d1]``."""
     return (factor.stride(0), factor.stride(1), factor.stride(2)) if as_stored else (
@@ -575,7 +580,7 @@ def _low_rank_term(rows: torch.Tensor | None, factor: torch.Tensor | None, as_st
         return (empty, empty, 0, 0, 0, 0, 0), dict(HAS_LORA=False, BLOCK_R=16)
     rank = rows.shape[1]
     return ((rows, factor, rank, rows.stride(0), *_factor_strides(factor, as_stored)),
-            dict(HAS_LORA=True, BLOCK_R=max(16, triton.next_power_of_2(rank))))
+            dict(HAS_LORA=True, BLOCK_R=_rank_block(rank)))
 
 
 def _low_rank(a, gather, factor, as_stored, scaling, meta):
@@ -585,7 +590,7 @@ def _low_rank(a, gather, factor, as_stored, scaling, meta):
     rank = factor.shape[2] if as_stored else factor.shape[1]
     out = a.new_empty((row_token.numel(), rank))
     tiles = _tiles(a.dtype)
-    block_r = max(16, triton.next_power_of_2(rank))
+    block_r = _rank_block(rank)
     moe_low_rank_kernel[_row_grid(tile_expert, rank, block_r)](
         a, factor, row_token, tile_expert, tile_row, expert_end, out,
         a.shape[1], rank, scaling,
@@ -634,7 +639,7 @@ def _weight_grad(a, b, gather_a, gather_b, meta, like, transposed, n_out, n_in, 
     o_dim, i_dim = (2, 1) if transposed else (1, 2)
     config = dict(_tiles(a.dtype)["weight_grad"])
     if low_rank:
-        config["BLOCK_O" if n_out < n_in else "BLOCK_I"] = max(16, triton.next_power_of_2(min(n_out, n_in)))
+        config["BLOCK_O" if n_out < n_in else "BLOCK_I"] = _rank_block(min(n_out, n_in))
     grid = (like.shape[0] * triton.cdiv(n_out, config["BLOCK_O"]) * triton.cdiv(n_in, config["BLOCK_I"]),)
     moe_weight_grad_kernel[grid](
         a, b, row_token, expert_end, dw,
@@ -715,12 +720,13 @@ def moe_fwd(
 def _moe_bwd_fake(dy, x, gate_up_proj, down_proj, gate_up, wh, row_weight, order, row_token, expert_end,
                   tile_expert, tile_row, gate, transposed, interleaved, alpha, limit, needs_dx, needs_d_gate_up,
                   needs_d_down, zero_dropped=False, gate_up_lora_a=None, gate_up_lora_b=None, gate_up_scaling=1.0,
-                  down_lora_a=None, down_lora_b=None, down_scaling=1.0, t_gate_up=None, t_down=None):
+                  down_lora_a=None, down_lora_b=None, down_scaling=1.0, t_gate_up=None, t_down=None,
+                  needs_d_lora=True):
     def grad(like, needed):
         return dy.new_empty((0,)) if like is None or not needed else like.new_empty(like.shape)
 
     return (grad(x, needs_dx), grad(gate_up_proj, needs_d_gate_up), grad(down_proj, needs_d_down),
-            row_weight.new_empty(row_weight.shape), *(grad(factor, True) for factor in (
+            row_weight.new_empty(row_weight.shape), *(grad(factor, needs_d_lora) for factor in (
                 gate_up_lora_a, gate_up_lora_b, down_lora_a, down_lora_b)))
 
 
@@ -733,11 +739,12 @@ def moe_bwd(
     zero_dropped: bool = False, gate_up_lora_a: torch.Tensor | None = None, gate_up_lora_b: torch.Tensor | None = None,
     gate_up_scaling: float = 1.0, down_lora_a: torch.Tensor | None = None, down_lora_b: torch.Tensor | None = None,
     down_scaling: float = 1.0, t_gate_up: torch.Tensor | None = None, t_down: torch.Tensor | None = None,
+    needs_d_lora: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """``(dx, d_gate_up_proj, d_down_proj, d_row_weight, d_gate_up_lora_a, d_gate_up_lora_b,
-    d_down_lora_a, d_down_lora_b)`` for ``dy [T, H]``; a gradient not asked for, or of an absent
-    adapter, is an empty tensor. ``gate_up`` is overwritten with its gradient, and with
+    d_down_lora_a, d_down_lora_b)`` for ``dy [T, H]``; a gradient not asked for (the adapters' by
+    ``needs_d_lora``), or of an absent adapter, is an empty tensor. ``gate_up`` is overwritten with its gradient, and with
     ``zero_dropped`` its dropped slots' rows with zeros (for a sum over every row). ``d_row_weight
     [S]`` fp32 leaves out the down bias's term ``dy_t · b2_e``. The adapters as :func:`moe_fwd`
     takes them, with the ``t`` it returned."""
@@ -766,15 +773,16 @@ def moe_bwd(
         ACTIVATION=_ACTIVATION[gate], INTERLEAVED=interleaved, PRECISION=_precision(dy.dtype),
         BLOCK_M=tiles["block_m"], **lora_options, **config,
     )
-    if u_down is not None:
+    if u_down is not None and needs_d_lora:
         d_down_a = _weight_grad(u_down, wh, False, False, meta, down_lora_a, False, u_down.shape[1], n_inter, True)
         d_down_b = _weight_grad(dy, t_down, True, False, meta, down_lora_b, False, n_hidden, t_down.shape[1], True)
     d_down = None
     if needs_d_down:
         d_down = _weight_grad(dy, wh, True, False, meta, down_proj, transposed, n_hidden, n_inter)
     u_gate_up = None
-    if gate_up_lora_a is not None:
+    if gate_up_lora_a is not None and (needs_dx or needs_d_lora):
         u_gate_up = _low_rank(gate_up, False, gate_up_lora_b, True, gate_up_scaling, meta)
+    if u_gate_up is not None and needs_d_lora:
         d_gate_up_a = _weight_grad(u_gate_up, x, False, True, meta, gate_up_lora_a, False, u_gate_up.shape[1],
                                    n_hidden, True)
         d_gate_up_b = _weight_grad(gate_up, t_gate_up, False, False, meta, gate_up_lora_b, False, 2 * n_inter,
@@ -843,6 +851,7 @@ class MoEExpertsFunction(torch.autograd.Function):
             dy.contiguous(), x, gate_up_proj, down_proj, gate_up, wh, row_weight, *meta, *ctx.options,
             needs[0], needs[3], needs[4], needs_gate_up_bias,
             gate_up_lora_a, gate_up_lora_b, gate_up_scaling, down_lora_a, down_lora_b, down_scaling, t_gate_up, t_down,
+            any(needs[i] for i in (7, 8, 10, 11)),
         )
         d_weights = None
         if needs[2]:

@@ -212,7 +212,7 @@ def peft_adapters(wrapper) -> dict | None:
     implementation = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if implementation != IMPLEMENTATION or not hasattr(experts, "is_transposed") or "forward" in vars(experts):
         return None
-    transposed = bool(getattr(experts, "is_transposed", False))
+    transposed = bool(experts.is_transposed)
     adapters = {}
     layer = wrapper
     while layer is not experts:
