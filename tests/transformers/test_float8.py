@@ -4,8 +4,8 @@ checkpointing, and with PEFT LoRA over the converted layers.
 
 What must hold: every FP8 matmul of torchao's own run still runs (``torch._scaled_mm`` is counted
 per training step: the decoder's linears are torchao's, and the converted ``lm_head``'s three matmuls
-are the fused loss's, in FP8 by the head's recipe, plus the head's one-position forward that stands
-in for its logits); and the losses of a few AdamW steps equal torchao's alone within the noise of
+are the fused loss's, in FP8 by the head's recipe: the head's own forward, whose logits would be
+dropped, does not run); and the losses of a few AdamW steps equal torchao's alone within the noise of
 FP8 rounding (the fused loss's chunked scaling and bf16 logits against torchao's whole-tensor
 scaling and fp32 upcast).
 """
@@ -17,6 +17,9 @@ pytest.importorskip("torchao.float8")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
+from torch._dynamo.utils import counters  # noqa: E402
+
+from tigon.ops import gated  # noqa: E402
 from tigon.transformers import apply_tigon  # noqa: E402
 from tiny_models import tiny_batch, tiny_model  # noqa: E402
 
@@ -68,8 +71,9 @@ def test_every_fp8_matmul_is_kept_and_the_losses_match_torchao(recipe, order, sc
     model = float8_model(order, recipe)
     losses, calls = train(model, scaled_mm_calls)
     assert model.lm_head.__class__.__name__ == "Float8Linear"
-    # The head's matmuls are the fused loss's (one chunk here), plus its one-position forward.
-    assert calls == [count + 1 for count in torchao_calls], (calls, torchao_calls)
+    # The head's three matmuls are the fused loss's (one chunk here): the head's own forward, whose
+    # logits are dropped, does not run.
+    assert calls == torchao_calls, (calls, torchao_calls)
     for ours, theirs in zip(losses, torchao_losses):
         assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs), (losses, torchao_losses)
 
@@ -78,8 +82,8 @@ def test_lora_over_float8_layers_keeps_their_fp8_matmuls(scaled_mm_calls):
     torchao_losses, torchao_calls = train(float8_model("torchao", "rowwise", lora=True), scaled_mm_calls)
     losses, calls = train(float8_model("float8_first", "rowwise", lora=True), scaled_mm_calls)
     # The frozen head: the fused loss skips its weight gradient's matmul, which torchao computes
-    # anyway; with the one-position forward the counts are equal.
-    assert calls == torchao_calls, (calls, torchao_calls)
+    # anyway.
+    assert calls == [count - 1 for count in torchao_calls], (calls, torchao_calls)
     for ours, theirs in zip(losses, torchao_losses):
         assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs)
 
@@ -94,14 +98,27 @@ def test_a_head_of_another_float8_config_is_refused():
         model(input_ids=input_ids, labels=labels)
 
 
-def test_compiled_decoder_layers_train_as_eager_ones():
+def test_compiled_decoder_layers_train_as_eager_ones(monkeypatch):
     # torch.compile over each decoder layer, as torchtitan trains FP8 (torchao's casts are fused
-    # only so). Its trace refuses a backward that writes into a view of torchao's outputs, as the
-    # gate's in-place backward does eagerly: compiled, the gate keeps its inputs. aot_eager runs
-    # the traced graphs without Inductor's code generation: the same math as eager.
+    # only so). Its trace refuses a backward that writes into a view made inside a custom Function,
+    # as torchao's outputs are: compiled, the gate's inputs are copied first, and its backward
+    # still writes the gradients over them, in one graph per layer. aot_eager runs the traced
+    # graphs without Inductor's code generation: the same math as eager.
     eager_losses, _ = train(float8_model("tigon_first", "rowwise"), [])
+    in_place = []
+    launch_bwd = gated._launch_bwd
+
+    def recording_launch(dout, gate, up, d_gate, d_up, *args, **kwargs):
+        in_place.append(d_gate is gate and d_up is up)
+        return launch_bwd(dout, gate, up, d_gate, d_up, *args, **kwargs)
+
+    monkeypatch.setattr(gated, "_launch_bwd", recording_launch)
+    torch._dynamo.reset()
+    counters.clear()
     model = float8_model("tigon_first", "rowwise")
     for layer in model.model.layers:
         layer.compile(backend="aot_eager")
     losses, _ = train(model, [])
     assert losses == pytest.approx(eager_losses, rel=1e-4)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert in_place and all(in_place), in_place

@@ -48,6 +48,7 @@ returns logits; in training with labels the fused path returns ``logits=None``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -58,6 +59,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tigon import functional as F
 from tigon.transformers.families import Family
+from tigon.transformers.layers import is_float8_linear
 
 def _extra_kwargs(signature: inspect.Signature) -> str | None:
     """The name of ``signature``'s ``**kwargs``, or ``None``."""
@@ -114,7 +116,8 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
                 reduction=reduction, losses=[],
             )
             try:
-                output = forward(*call.args, **call.kwargs)
+                with _float8_logits_skipped(head):
+                    output = forward(*call.args, **call.kwargs)
             finally:
                 head.tigon_loss_request = None
             if len(request["losses"]) != 1:
@@ -240,12 +243,36 @@ def _loss_when_asked(head, args):
             request["ignore_index"], request["reduction"],
         )
     )
-    # Any head but a plain nn.Linear is given one position: DTensor's sharding propagation of the
-    # linear divides by an empty dimension, torchao's FP8 scaling takes the amax of nothing, and a
-    # wrapper's collectives (DeepSpeed's gathered output) need not take empty tensors. Their
-    # [B, 1, V] logits are dropped like the empty ones.
-    positions = 0 if type(head) is torch.nn.Linear and not isinstance(head.weight, DTensor) else 1
+    # Any other head but a plain nn.Linear or torchao's (which skips its forward, see
+    # _float8_logits_skipped) is given one position: DTensor's sharding propagation of the linear
+    # divides by an empty dimension, and a wrapper's collectives (DeepSpeed's gathered output) need
+    # not take empty tensors. Their [B, 1, V] logits are dropped like the empty ones.
+    plain = type(head) is torch.nn.Linear or is_float8_linear(head)
+    positions = 0 if plain and not isinstance(head.weight, DTensor) else 1
     return (hidden_states.narrow(-2, 0, positions), *args[1:])
+
+
+@contextlib.contextmanager
+def _float8_logits_skipped(head: torch.nn.Module):
+    """While the wrapped forward runs, a torchao ``Float8Linear`` head whose loss tigon computed
+    returns empty logits without running its forward: torchao would cast the whole weight to FP8
+    for logits that are dropped, in eager through two fp32 copies of it (4 GiB at Llama-3's
+    vocabulary, the training step's peak). A head left to compute its logits runs as it is."""
+    if not is_float8_linear(head):
+        yield
+        return
+
+    def forward(input):
+        losses = head.tigon_loss_request["losses"]
+        if losses and losses[-1] is not None:
+            return input.new_empty((*input.shape[:-1], head.out_features))
+        return type(head).forward(head, input)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_index, reduction):
@@ -308,8 +335,7 @@ def head_fp8_recipe(head: torch.nn.Module) -> str | None:
     """The torchao float8 recipe of a head that ``convert_to_float8_training`` converted (its
     ``Float8Linear``), ``None`` for any other head. Raises ``ValueError`` for a config other than
     torchao's ``tensorwise``, ``rowwise`` and ``rowwise_with_gw_hp`` recipes."""
-    float8_linear = sys.modules.get("torchao.float8.float8_linear")
-    if float8_linear is None or not isinstance(head, float8_linear.Float8Linear):
+    if not is_float8_linear(head):
         return None
     scaling = _float8_scaling(head.config)
     for recipe, recipe_scaling in _recipe_scalings().items():

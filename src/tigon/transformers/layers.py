@@ -9,6 +9,8 @@ attributes filled in from the family's row of :data:`tigon.transformers.families
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +29,13 @@ GATE_ACTIVATIONS = {
 }
 # Where Hugging Face's MLP classes keep the activation module they were built with.
 ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act")
+
+
+def is_float8_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear`` (``convert_to_float8_training``'s), without
+    importing torchao where nothing did."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
 
 
 class TigonRMSNorm:
@@ -98,15 +107,18 @@ class TigonMLP:
         check_activation(self)
 
     @staticmethod
-    def _backward_in_place(*projections: torch.nn.Module) -> bool:
-        """Whether the gate's backward may overwrite its inputs, the outputs of ``projections``
-        (they feed nothing else). Under torch.compile only where they are plain ``nn.Linear``s:
-        its trace of the backward refuses writes into a view of a custom Function's output, as
-        torchao's ``Float8Linear`` returns."""
-        return not torch.compiler.is_compiling() or all(type(p) is torch.nn.Linear for p in projections)
+    def _writable(output: torch.Tensor, projection: torch.nn.Module) -> torch.Tensor:
+        """``projection``'s output, which the gate's backward overwrites with its gradient (it
+        feeds nothing else). Under torch.compile the output of torchao's ``Float8Linear`` is copied
+        first: it is a view made inside a custom Function, and compile's trace refuses a backward
+        that writes into one. One copy in forward costs less than a new ``[tokens, I]`` gradient
+        at the backward's peak."""
+        return output.clone() if torch.compiler.is_compiling() and is_float8_linear(projection) else output
 
-    def _gated(self, gate, up, *projections: torch.nn.Module):
-        return getattr(F, self.gate)(gate, up, inplace_backward=self._backward_in_place(*projections))
+    def _gated(self, gate, up):
+        return getattr(F, self.gate)(
+            self._writable(gate, self.gate_proj), self._writable(up, self.up_proj), inplace_backward=True,
+        )
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -157,7 +169,7 @@ class TigonGatedMLP(TigonMLP):
                     x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora,
                     tile_tokens=tile_tokens,
                 )
-        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x), self.gate_proj, self.up_proj))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -165,16 +177,16 @@ class TigonFusedGateUpMLP(TigonMLP):
     reads both halves in place through their row stride."""
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self._gated(gate, up, self.gate_up_proj))
+        gate, up = self._writable(self.gate_up_proj(x), self.gate_up_proj).chunk(2, dim=-1)
+        return self.down_proj(getattr(F, self.gate)(gate, up, inplace_backward=True))
 
 
 class TigonUngatedMLP(TigonMLP):
     """``down_proj(act(up_proj(x)))`` with the activation by tigon (Nemotron's squared ReLU)."""
 
     def forward(self, x):
-        inplace_backward = self._backward_in_place(self.up_proj)
-        return self.down_proj(getattr(F, self.gate)(self.up_proj(x), inplace_backward=inplace_backward))
+        up = self._writable(self.up_proj(x), self.up_proj)
+        return self.down_proj(getattr(F, self.gate)(up, inplace_backward=True))
 
 
 class TigonClampedSwiGLUExperts(TigonMLP):
