@@ -72,6 +72,37 @@ def test_inplace_backward_reuses_inputs(gate_name, layout):
     assert torch.equal(d_gate, expected[0]) and torch.equal(d_up, expected[1])
 
 
+@pytest.mark.parametrize("power_of_2", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_halves"])
+@pytest.mark.parametrize("gate_name", GATES)
+def test_gated_e4m3_is_the_tensorwise_cast_of_the_16_bit_product(gate_name, layout, power_of_2):
+    # torchao's tensorwise cast of the gate's bf16 output: scaled by 448 / amax (fp64, floored to
+    # a power of two where asked), rounded to e4m3. The fused kernels give the same bytes and
+    # scale, and the 16-bit gate's gradients.
+    op = GATES[gate_name][0]
+    shape, e4m3 = SHAPES[2], torch.float8_e4m3fn
+    gate, up = _inputs(shape, torch.bfloat16, layout)
+    product = op(gate, up)
+    amax = product.detach().abs().amax().double()
+    scale = (torch.finfo(e4m3).max / amax).float()
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    expected = (product.detach().float() * scale).to(e4m3)
+    cast = {}
+
+    def dequantized(data, data_scale):
+        cast.update(data=data, scale=data_scale)
+        return (data.float() / data_scale).to(torch.bfloat16)
+
+    out = gated_ops.gated_e4m3(gate, up, gate_name, False, power_of_2, dequantized)
+    assert cast["data"].shape == shape and cast["scale"].shape == ()
+    assert torch.equal(cast["data"].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(cast["scale"], scale)
+    dout = randn(*shape, dtype=torch.bfloat16)
+    grads, expected_grads = (torch.autograd.grad(y, (gate, up), dout) for y in (out, product))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
 def test_inplace_backward_cannot_run_twice():
     gate, up = _inputs(SHAPES[0], torch.float32, "contiguous")
     out = tf.swiglu(gate, up, inplace_backward=True)

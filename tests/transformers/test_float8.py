@@ -20,7 +20,7 @@ from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_tra
 from torch._dynamo.utils import counters  # noqa: E402
 
 from tigon.ops import gated  # noqa: E402
-from tigon.transformers import apply_tigon  # noqa: E402
+from tigon.transformers import apply_tigon, layers  # noqa: E402
 from tiny_models import tiny_batch, tiny_model  # noqa: E402
 
 STEPS = 3
@@ -86,6 +86,23 @@ def test_lora_over_float8_layers_keeps_their_fp8_matmuls(scaled_mm_calls):
     assert calls == [count - 1 for count in torchao_calls], (calls, torchao_calls)
     for ours, theirs in zip(losses, torchao_losses):
         assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_gate_casts_the_down_projections_input(recipe, monkeypatch):
+    # With one scale per tensor for the down projection's input (tensorwise), the gate's kernels
+    # cast their product to FP8 themselves and hand torchao the cast: the same bytes as torchao's
+    # own cast, so the same losses, bit for bit. A rowwise input (one scale per row, and per
+    # column for the weight gradient) stays torchao's to cast.
+    inputs = []
+    model = float8_model("float8_first", recipe)
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: inputs.append(type(args[0]).__name__))
+    losses, _ = train(model, [])
+    assert set(inputs) == {"Float8TrainingTensor" if recipe == "tensorwise" else "Tensor"}
+    monkeypatch.setattr(layers, "float8_input_wrap", lambda linear: None)
+    unfused_losses, _ = train(float8_model("float8_first", recipe), [])
+    assert losses == unfused_losses
 
 
 def test_a_head_of_another_float8_config_is_refused():

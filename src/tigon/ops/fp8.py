@@ -273,7 +273,7 @@ _SCALE_KINDS = {None: NO_COPY, "axiswise": PER_SLICE, "tensorwise": PER_TENSOR}
 Fp8Operand = tuple[torch.Tensor, torch.Tensor]
 
 
-def _scales(amax: torch.Tensor, limit: float, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_scales(amax: torch.Tensor, limit: float, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(limit / amax, its reciprocal)``, computed in fp64 and floored to a power of two with
     ``power_of_2`` (torchao's scales); an amax below :data:`AMAX_EPS` counts as it."""
     scale = (limit / amax.double().clamp(min=AMAX_EPS)).float()
@@ -286,7 +286,7 @@ def cast(t: torch.Tensor, dtype: torch.dtype, rows: Scaling | None, columns: Sca
          power_of_2: bool) -> tuple[Fp8Operand | None, Fp8Operand | None]:
     """``t [M, K]`` (unit column stride) in FP8 ``dtype``, read twice (the largest magnitudes, then
     the casts) for up to two copies, each scaled by ``max(dtype) / amax`` over a slice
-    (:func:`_scales`) and rounded to nearest even as ``.to(dtype)`` rounds:
+    (:func:`fp8_scales`) and rounded to nearest even as ``.to(dtype)`` rounds:
 
     - ``rows``: ``t`` row-major ``[M, K]``, scaled per row (inverse ``[M, 1]``) or per tensor
       (inverse 0-d); the first operand of a matmul over ``K``.
@@ -309,12 +309,12 @@ def cast(t: torch.Tensor, dtype: torch.dtype, rows: Scaling | None, columns: Sca
             ROWS=rows == "axiswise", COLUMNS=columns == "axiswise", TENSOR="tensorwise" in wanted,
             BLOCK_M=AMAX_BLOCK_M, BLOCK_K=AMAX_BLOCK_K, num_warps=AMAX_WARPS,
         )
-    tensor = _scales(tensor_amax, limit, power_of_2) if "tensorwise" in wanted else None
+    tensor = fp8_scales(tensor_amax, limit, power_of_2) if "tensorwise" in wanted else None
 
     def scales(scaling: Scaling | None, slice_amax: torch.Tensor):
         if scaling is None:
             return None, None
-        return tensor if scaling == "tensorwise" else _scales(slice_amax, limit, power_of_2)
+        return tensor if scaling == "tensorwise" else fp8_scales(slice_amax, limit, power_of_2)
 
     row_scale, row_inverse = scales(rows, row_amax)
     column_scale, column_inverse = scales(columns, column_amax)
@@ -448,7 +448,7 @@ class Fp8HeadMatmuls:
         a 16-bit dlogits or the pass that finds its largest magnitude. :meth:`grad_input` and
         :meth:`accumulate_grad_weight` then take ``logits`` for the dlogits they stand for."""
         limit = torch.finfo(self.recipe.grad_dtype).max
-        scale, inverse = _scales(grad_bound, limit, self.recipe.power_of_2_scales)
+        scale, inverse = fp8_scales(grad_bound, limit, self.recipe.power_of_2_scales)
         n_rows, n_cols = logits.shape
         padded_rows = _aligned(n_rows)
         out = logits.new_empty(logits.shape, dtype=self.recipe.grad_dtype) \

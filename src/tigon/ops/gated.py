@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops import lora as _lora
+from tigon.ops.fp8 import fp8_code, fp8_scales
 from tigon.ops._launch import (
     as_rows,
     cdiv,
@@ -84,6 +85,10 @@ from tigon.ops._launch import (
 ELEMENTS_PER_PROGRAM = 4096
 ELEMENTS_PER_WARP = 512
 
+# The kernels' activation of each gate.
+GATE_KINDS = {"swiglu": "silu", "geglu": "gelu_tanh"}
+# e4m3's largest finite value.
+E4M3_MAX = tl.constexpr(448.0)
 _GELU_SLOPE = tl.constexpr(2 * 0.7978845608028654)  # 2·√(2/π): z = slope·(g + cubic·g³)
 _GELU_CUBIC = tl.constexpr(0.044715)
 
@@ -115,16 +120,27 @@ def gate_activation(g, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def gated_fwd_kernel(
-    GATE, UP, OUT,
+    GATE, UP, OUT, SCALE,
     n_rows, n_cols,
     stride_gate, stride_up, stride_out,
-    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """``act(gate) · up``, rounded to the inputs' dtype, and per ``OUTPUT``: stored in ``OUT``
+    (``"store"``); its largest magnitude folded into ``SCALE [1]`` by atomic maximum (``"amax"``);
+    or times ``SCALE [1]``, saturated and stored as e4m3 bytes in ``OUT`` (``"e4m3"``)."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     act, _ = gate_activation(gate, ACTIVATION)
-    tl.store(OUT + rows * stride_out + cols, (act * up).to(OUT.dtype.element_ty), mask=mask)
+    out = (act * up).to(GATE.dtype.element_ty)
+    if OUTPUT == "amax":
+        tl.atomic_max(SCALE, tl.max(tl.max(tl.abs(out.to(tl.float32)), axis=1), axis=0))
+    elif OUTPUT == "e4m3":
+        scaled = out.to(tl.float32) * tl.load(SCALE)
+        code = fp8_code(tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX), 3, 7)
+        tl.store(OUT + rows * stride_out + cols, code, mask=mask)
+    else:
+        tl.store(OUT + rows * stride_out + cols, out, mask=mask)
 
 
 @triton.jit
@@ -270,12 +286,42 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
     launch(
         gated_fwd_kernel, grid,
-        gate, up, out,
+        gate, up, out, None,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), out.stride(0),
-        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        ACTIVATION=activation, OUTPUT="store", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out
+
+
+def _gated_fwd_e4m3_fake(gate, up, activation, power_of_2):
+    return gate.new_empty(gate.shape, dtype=torch.float8_e4m3fn), gate.new_empty((), dtype=torch.float32)
+
+
+@tigon_op("gated_fwd_e4m3", fake=_gated_fwd_e4m3_fake)
+def gated_fwd_e4m3(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, power_of_2: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate, up [N, I]`` row views → ``act(gate) · up`` as torchao's tensorwise cast makes it
+    from the product rounded to ``gate``'s dtype: e4m3 ``[N, I]`` (contiguous) times ``scale =
+    448 / amax`` over the whole tensor (fp64, floored to a power of two with ``power_of_2``), and
+    ``scale`` (fp32, 0-d). Two reads of the inputs (the amax, then the cast); the 16-bit product
+    is never stored."""
+    n_rows, n_cols = gate.shape
+    out = gate.new_empty((n_rows, n_cols), dtype=torch.float8_e4m3fn)
+    amax = gate.new_zeros(1, dtype=torch.float32)
+    grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    for output, scale in (("amax", amax), ("e4m3", None)):
+        if scale is None:
+            scale, _ = fp8_scales(amax, torch.finfo(torch.float8_e4m3fn).max, power_of_2)
+        launch(
+            gated_fwd_kernel, grid,
+            gate, up, out.view(torch.uint8), scale,
+            n_rows, n_cols,
+            gate.stride(0), up.stride(0), out.stride(0),
+            ACTIVATION=activation, OUTPUT=output, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    return out, scale.reshape(())
 
 
 def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False):
@@ -424,6 +470,23 @@ def relu2_bwd_inplace(dout: torch.Tensor, x: torch.Tensor) -> None:
     _launch_relu2_bwd(dout, x, x)
 
 
+def _gated_grads(ctx, dout):
+    """The backward of :class:`GatedFunction` and :class:`GatedE4M3Function`: ``d_gate`` and
+    ``d_up`` (over the saved ``gate`` and ``up`` with ``inplace_backward``), ``None`` for the rest."""
+    gate_rows, up_rows = ctx.saved_tensors
+    dout_rows = as_rows(dout)
+    if ctx.inplace_backward:
+        gated_bwd_inplace(dout_rows, gate_rows, up_rows, ctx.activation)
+        d_gate, d_up = gate_rows, up_rows
+    else:
+        d_gate, d_up = gated_bwd(dout_rows, gate_rows, up_rows, ctx.activation)
+    return (
+        d_gate.view(dout.shape) if ctx.needs_input_grad[0] else None,
+        d_up.view(dout.shape) if ctx.needs_input_grad[1] else None,
+        *[None] * (len(ctx.needs_input_grad) - 2),
+    )
+
+
 class GatedFunction(torch.autograd.Function):
     """Saves ``gate`` and ``up`` as ``[rows, cols]`` views; ``act(gate)`` is recomputed in backward.
 
@@ -443,19 +506,32 @@ class GatedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        gate_rows, up_rows = ctx.saved_tensors
-        dout_rows = as_rows(dout)
-        if ctx.inplace_backward:
-            gated_bwd_inplace(dout_rows, gate_rows, up_rows, ctx.activation)
-            d_gate, d_up = gate_rows, up_rows
-        else:
-            d_gate, d_up = gated_bwd(dout_rows, gate_rows, up_rows, ctx.activation)
-        return (
-            d_gate.view(dout.shape) if ctx.needs_input_grad[0] else None,
-            d_up.view(dout.shape) if ctx.needs_input_grad[1] else None,
-            None,
-            None,
-        )
+        return _gated_grads(ctx, dout)
+
+
+class GatedE4M3Function(torch.autograd.Function):
+    """:class:`GatedFunction` with its output as the FP8 input of the next matmul, cast in the same
+    kernels (:func:`gated_fwd_e4m3`): ``wrap(data, scale)`` makes it the tensor that matmul takes
+    (torchao's ``Float8TrainingTensor``). The backward is :class:`GatedFunction`'s, exact for the
+    16-bit product the cast rounds: the gradient with respect to it passes straight through the
+    cast, as through torchao's own (saved ``gate`` and ``up`` as :class:`GatedFunction`)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation, inplace_backward, power_of_2, wrap):
+        gate_rows, up_rows = as_rows(gate), as_rows(up)
+        data, scale = gated_fwd_e4m3(gate_rows, up_rows, activation, power_of_2)
+        ctx.save_for_backward(gate_rows, up_rows)
+        ctx.activation = activation
+        ctx.inplace_backward = inplace_backward
+        return wrap(data.view(gate.shape), scale)
+
+    @staticmethod
+    def backward(ctx, dout):
+        # torch.compile's trace of this backward hands it a gradient of the output's own type
+        # (torchao's FP8 tensor); autograd hands it the 16-bit gradient of the product.
+        if hasattr(dout, "to_original_precision"):
+            dout = dout.to_original_precision()
+        return _gated_grads(ctx, dout)
 
 
 class SwiGLUClampedFunction(torch.autograd.Function):
@@ -760,12 +836,18 @@ def gated_linear(gate, up, weight, bias, activation, inplace_backward):
 
 def swiglu(gate, up, inplace_backward):
     """``silu(gate) · up`` for ``gate, up [...]``; inputs validated by :mod:`tigon.functional`."""
-    return GatedFunction.apply(gate, up, "silu", inplace_backward)
+    return GatedFunction.apply(gate, up, GATE_KINDS["swiglu"], inplace_backward)
 
 
 def geglu(gate, up, inplace_backward):
     """``gelu_tanh(gate) · up`` for ``gate, up [...]``; inputs validated by :mod:`tigon.functional`."""
-    return GatedFunction.apply(gate, up, "gelu_tanh", inplace_backward)
+    return GatedFunction.apply(gate, up, GATE_KINDS["geglu"], inplace_backward)
+
+
+def gated_e4m3(gate, up, gate_kind, inplace_backward, power_of_2, wrap):
+    """``act(gate) · up`` (``gate_kind`` ``"swiglu"`` or ``"geglu"``) cast to e4m3 with one scale,
+    as ``wrap(data [...], scale [])`` (:class:`GatedE4M3Function`)."""
+    return GatedE4M3Function.apply(gate, up, GATE_KINDS[gate_kind], inplace_backward, power_of_2, wrap)
 
 
 def swiglu_clamped(gate_up, alpha, limit, inplace_backward):

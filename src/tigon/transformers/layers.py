@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 
 from tigon import functional as F
-from tigon.ops.gated import auto_tile_rows
+from tigon.ops.gated import auto_tile_rows, gated_e4m3
 from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
@@ -36,6 +36,28 @@ def is_float8_linear(module: torch.nn.Module) -> bool:
     importing torchao where nothing did."""
     float8_linear = sys.modules.get("torchao.float8.float8_linear")
     return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
+
+
+def float8_input_wrap(linear: torch.nn.Module):
+    """For a torchao ``Float8Linear`` whose input both its matmuls take in e4m3 with one dynamic
+    scale (the ``tensorwise`` recipe): ``wrap(data, scale)``, the ``Float8TrainingTensor`` it takes
+    as an input already cast (it then casts nothing, and keeps the FP8 input for its backward).
+    ``None`` for any other module or recipe."""
+    if not is_float8_linear(linear):
+        return None
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    config = linear.config
+    for cast in (config.cast_config_input, config.cast_config_input_for_grad_weight):
+        if (cast.scaling_type is not ScalingType.DYNAMIC or cast.scaling_granularity is not ScalingGranularity.TENSORWISE
+                or cast.target_dtype != torch.float8_e4m3fn):
+            return None
+
+    def wrap(data, scale):
+        return Float8TrainingTensor(data, scale, linear.weight.dtype, linear.linear_mm_config, GemmInputRole.INPUT)
+
+    return wrap
 
 
 class TigonRMSNorm:
@@ -115,10 +137,15 @@ class TigonMLP:
         at the backward's peak."""
         return output.clone() if torch.compiler.is_compiling() and is_float8_linear(projection) else output
 
-    def _gated(self, gate, up):
-        return getattr(F, self.gate)(
-            self._writable(gate, self.gate_proj), self._writable(up, self.up_proj), inplace_backward=True,
-        )
+    def _gated(self, gate, up, down_proj):
+        """The gate over the projections' outputs, cast to FP8 in the same kernels where
+        ``down_proj`` takes its input so (:func:`float8_input_wrap`): the 16-bit product is
+        never stored, and the down projection keeps its input in FP8 for its backward."""
+        wrap = None if isinstance(gate, DTensor) or torch.is_autocast_enabled(gate.device.type) \
+            else float8_input_wrap(down_proj)
+        if wrap is not None:
+            return gated_e4m3(gate, up, self.gate, True, down_proj.config.round_scales_to_power_of_2, wrap)
+        return getattr(F, self.gate)(gate, up, inplace_backward=True)
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -169,7 +196,8 @@ class TigonGatedMLP(TigonMLP):
                     x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora,
                     tile_tokens=tile_tokens,
                 )
-        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self._writable(self.gate_proj(x), self.gate_proj), self._writable(self.up_proj(x), self.up_proj)
+        return self.down_proj(self._gated(gate, up, self.down_proj))
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -178,7 +206,7 @@ class TigonFusedGateUpMLP(TigonMLP):
 
     def forward(self, x):
         gate, up = self._writable(self.gate_up_proj(x), self.gate_up_proj).chunk(2, dim=-1)
-        return self.down_proj(getattr(F, self.gate)(gate, up, inplace_backward=True))
+        return self.down_proj(self._gated(gate, up, self.down_proj))
 
 
 class TigonUngatedMLP(TigonMLP):
