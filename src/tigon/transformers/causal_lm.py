@@ -61,6 +61,7 @@ from tigon import functional as F
 from tigon.transformers.families import Family
 from tigon.transformers.layers import is_float8_linear
 
+
 def _extra_kwargs(signature: inspect.Signature) -> str | None:
     """The name of ``signature``'s ``**kwargs``, or ``None``."""
     return next(
@@ -243,7 +244,7 @@ def _loss_when_asked(head, args):
             request["ignore_index"], request["reduction"],
         )
     )
-    # Any other head but a plain nn.Linear or torchao's (which skips its forward, see
+    # Any head but a plain nn.Linear or torchao's (which skips its forward, see
     # _float8_logits_skipped) is given one position: DTensor's sharding propagation of the linear
     # divides by an empty dimension, and a wrapper's collectives (DeepSpeed's gathered output) need
     # not take empty tensors. Their [B, 1, V] logits are dropped like the empty ones.
