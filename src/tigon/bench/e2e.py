@@ -229,7 +229,9 @@ def captured_train_step(model, optimizer, new_batch: Callable[[], dict]) -> tupl
 def peak_tensors(model, optimizer, inputs: dict, top: int = 24) -> list[dict]:
     """The ``top`` largest allocations alive at the peak of one recorded step, with the frames of
     tigon, transformers or the optimizer that allocated them."""
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    # Python frames only, at allocation: the C++ stacks recorded by default fail under compiled
+    # layers (torch 2.11: "SystemError: ... returned NULL without setting an exception").
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=200_000)
     train_step(model, optimizer, inputs)
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
