@@ -110,6 +110,25 @@ def test_the_gate_casts_the_down_projections_input(monkeypatch):
     assert losses == unfused_losses
 
 
+def test_a_heads_own_forward_is_kept_and_skipped_in_training():
+    # A forward set on the head itself (a hook's, such as accelerate's) is not run for the logits
+    # tigon's loss drops, and is the head's again afterwards: evaluation calls it.
+    model = float8_model("float8_first", "tensorwise")
+    calls = []
+    class_forward = model.lm_head.forward
+
+    def hooked_forward(input):
+        calls.append(input.shape)
+        return class_forward(input)
+
+    model.lm_head.forward = hooked_forward
+    train(model, [])
+    assert model.lm_head.forward is hooked_forward and not calls
+    input_ids, _ = tiny_batch()
+    model.eval()(input_ids=input_ids)
+    assert len(calls) == 1
+
+
 def test_a_head_of_another_float8_config_is_refused():
     model = tiny_model("llama").to(torch.bfloat16)
     apply_tigon(model)

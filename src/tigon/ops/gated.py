@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops import lora as _lora
-from tigon.ops.fp8 import fp8_code, fp8_scales
+from tigon.ops.fp8 import E4M3, FORMATS, fp8_code, fp8_scales
 from tigon.ops._launch import (
     as_rows,
     cdiv,
@@ -87,8 +87,8 @@ ELEMENTS_PER_WARP = 512
 
 # The kernels' activation of each gate.
 GATE_KINDS = {"swiglu": "silu", "geglu": "gelu_tanh"}
-# e4m3's largest finite value.
-E4M3_MAX = tl.constexpr(448.0)
+# How gated_fwd_kernel writes e4m3: its largest finite value, mantissa bits and exponent bias.
+E4M3_FORMAT = dict(LIMIT=torch.finfo(E4M3).max, MANT_BITS=FORMATS[E4M3][0], EXP_BIAS=FORMATS[E4M3][1])
 _GELU_SLOPE = tl.constexpr(2 * 0.7978845608028654)  # 2·√(2/π): z = slope·(g + cubic·g³)
 _GELU_CUBIC = tl.constexpr(0.044715)
 
@@ -124,10 +124,12 @@ def gated_fwd_kernel(
     n_rows, n_cols,
     stride_gate, stride_up, stride_out,
     ACTIVATION: tl.constexpr, OUTPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LIMIT: tl.constexpr = None, MANT_BITS: tl.constexpr = None, EXP_BIAS: tl.constexpr = None,
 ):
     """``act(gate) · up``, rounded to the inputs' dtype, and per ``OUTPUT``: stored in ``OUT``
     (``"store"``); its largest magnitude folded into ``SCALE [1]`` by atomic maximum (``"amax"``);
-    or times ``SCALE [1]``, saturated and stored as e4m3 bytes in ``OUT`` (``"e4m3"``)."""
+    or times ``SCALE [1]``, saturated and stored as FP8 bytes in ``OUT`` (``"e4m3"``, the format
+    :data:`E4M3_FORMAT` gives)."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
@@ -137,7 +139,7 @@ def gated_fwd_kernel(
         tl.atomic_max(SCALE, tl.max(tl.max(tl.abs(out.to(tl.float32)), axis=1), axis=0))
     elif OUTPUT == "e4m3":
         scaled = out.to(tl.float32) * tl.load(SCALE)
-        code = fp8_code(tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX), 3, 7)
+        code = fp8_code(tl.minimum(tl.maximum(scaled, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
         tl.store(OUT + rows * stride_out + cols, code, mask=mask)
     else:
         tl.store(OUT + rows * stride_out + cols, out, mask=mask)
@@ -295,7 +297,7 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
 
 
 def _gated_fwd_e4m3_fake(gate, up, activation, power_of_2):
-    return gate.new_empty(gate.shape, dtype=torch.float8_e4m3fn), gate.new_empty((), dtype=torch.float32)
+    return gate.new_empty(gate.shape, dtype=E4M3), gate.new_empty((), dtype=torch.float32)
 
 
 @tigon_op("gated_fwd_e4m3", fake=_gated_fwd_e4m3_fake)
@@ -308,19 +310,23 @@ def gated_fwd_e4m3(
     ``scale`` (fp32, 0-d). Two reads of the inputs (the amax, then the cast); the 16-bit product
     is never stored."""
     n_rows, n_cols = gate.shape
-    out = gate.new_empty((n_rows, n_cols), dtype=torch.float8_e4m3fn)
-    amax = gate.new_zeros(1, dtype=torch.float32)
+    out = gate.new_empty((n_rows, n_cols), dtype=E4M3)
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    for output, scale in (("amax", amax), ("e4m3", None)):
-        if scale is None:
-            scale, _ = fp8_scales(amax, torch.finfo(torch.float8_e4m3fn).max, power_of_2)
+
+    def run(output, scale):
         launch(
             gated_fwd_kernel, grid,
             gate, up, out.view(torch.uint8), scale,
             n_rows, n_cols,
             gate.stride(0), up.stride(0), out.stride(0),
             ACTIVATION=activation, OUTPUT=output, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            **E4M3_FORMAT,
         )
+
+    amax = gate.new_zeros(1, dtype=torch.float32)
+    run("amax", amax)
+    scale, _ = fp8_scales(amax, E4M3_FORMAT["LIMIT"], power_of_2)
+    run("e4m3", scale)
     return out, scale.reshape(())
 
 

@@ -258,22 +258,28 @@ def _float8_logits_skipped(head: torch.nn.Module):
     """While the wrapped forward runs, a torchao ``Float8Linear`` head whose loss tigon computed
     returns empty logits without running its forward: torchao would cast the whole weight to FP8
     for logits that are dropped, in eager through two fp32 copies of it (4 GiB at Llama-3's
-    vocabulary, the training step's peak). A head left to compute its logits runs as it is."""
+    vocabulary, the training step's peak). A head left to compute its logits runs as it is, through
+    whatever forward it had (a hook's, such as accelerate's, is put back afterwards)."""
     if not is_float8_linear(head):
         yield
         return
+    own_forward = vars(head).get("forward")
+    head_forward = head.forward
 
     def forward(input):
         losses = head.tigon_loss_request["losses"]
         if losses and losses[-1] is not None:
             return input.new_empty((*input.shape[:-1], head.out_features))
-        return type(head).forward(head, input)
+        return head_forward(input)
 
     head.forward = forward
     try:
         yield
     finally:
-        del head.forward
+        if own_forward is None:
+            del head.forward
+        else:
+            head.forward = own_forward
 
 
 def _fused_loss(config, family: Family, hidden_states, head, targets, ignore_index, reduction):
