@@ -8,6 +8,7 @@ from tigon.testing import reference
 import tigon.functional as tf
 import tigon.nn as tnn
 from tigon.ops import gated as gated_ops
+from tigon.ops.fp8 import E4M3, E5M2, Fp8Cast
 from utils import DEVICE, DTYPES, ON_GPU, MatmulFlops, assert_close, leaf_copies, pick, randn
 
 SHAPES = pick(
@@ -72,35 +73,51 @@ def test_inplace_backward_reuses_inputs(gate_name, layout):
     assert torch.equal(d_gate, expected[0]) and torch.equal(d_up, expected[1])
 
 
+def _tensorwise_cast(t, dtype, power_of_2):
+    """torchao's tensorwise cast of ``t``: its bytes (scaled by ``max(dtype) / amax``, computed in
+    fp64 and floored to a power of two where asked, saturated and rounded) and its scale."""
+    limit = torch.finfo(dtype).max
+    scale = (limit / t.detach().abs().amax().double()).float()
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t.detach().float() * scale).clamp(-limit, limit).to(dtype), scale
+
+
+@pytest.mark.parametrize("casts", ["output", "grads", "both"])
 @pytest.mark.parametrize("power_of_2", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "fused_halves"])
 @pytest.mark.parametrize("gate_name", GATES)
-def test_gated_e4m3_is_the_tensorwise_cast_of_the_16_bit_product(gate_name, layout, power_of_2):
-    # torchao's tensorwise cast of the gate's bf16 output: scaled by 448 / amax (fp64, floored to
-    # a power of two where asked), rounded to e4m3. The fused kernels give the same bytes and
-    # scale, and the 16-bit gate's gradients.
+def test_gated_fp8_casts_are_tensorwise_casts_of_the_16_bit_values(gate_name, layout, power_of_2, casts):
+    # The gate's kernels cast its product (e4m3: the down projection's input) and its gradients
+    # (e5m2: the gate and up projections' output gradients) as torchao casts the bf16 tensors the
+    # 16-bit gate gives: the same bytes and scales. What is not cast stays the 16-bit gate's.
+    float8_training_tensor = pytest.importorskip("torchao.float8.float8_training_tensor")
     op = GATES[gate_name][0]
-    shape, e4m3 = SHAPES[2], torch.float8_e4m3fn
+    shape = SHAPES[2]
     gate, up = _inputs(shape, torch.bfloat16, layout)
-    product = op(gate, up)
-    amax = product.detach().abs().amax().double()
-    scale = (torch.finfo(e4m3).max / amax).float()
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    expected = (product.detach().float() * scale).to(e4m3)
-    cast = {}
-
-    def dequantized(data, data_scale):
-        cast.update(data=data, scale=data_scale)
-        return (data.float() / data_scale).to(torch.bfloat16)
-
-    out = gated_ops.gated_e4m3(gate, up, gate_name, False, power_of_2, dequantized)
-    assert cast["data"].shape == shape and cast["scale"].shape == ()
-    assert torch.equal(cast["data"].view(torch.uint8), expected.view(torch.uint8))
-    assert torch.equal(cast["scale"], scale)
     dout = randn(*shape, dtype=torch.bfloat16)
-    grads, expected_grads = (torch.autograd.grad(y, (gate, up), dout) for y in (out, product))
-    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    product = op(gate, up)
+    grads = torch.autograd.grad(product, (gate, up), dout)
+    mm_config = float8_training_tensor.LinearMMConfig()
+    roles = float8_training_tensor.GemmInputRole
+
+    def fp8_cast(dtype, role):
+        return Fp8Cast(dtype, power_of_2, torch.bfloat16, mm_config, role)
+
+    output_cast = None if casts == "grads" else fp8_cast(E4M3, roles.INPUT)
+    grad_casts = None if casts == "output" else (fp8_cast(E5M2, roles.GRAD_OUTPUT),) * 2
+    out = gated_ops.gated_fp8(gate, up, gate_name, False, output_cast, grad_casts)
+    out_grads = torch.autograd.grad(out, (gate, up), dout)
+    pairs = [(out, product, output_cast), *zip(out_grads, grads, grad_casts or (None, None))]
+    for ours, value, cast in pairs:
+        if cast is None:  # the 16-bit gate's
+            assert type(ours) is torch.Tensor and torch.equal(ours, value)
+            continue
+        want_data, want_scale = _tensorwise_cast(value, cast.dtype, power_of_2)
+        assert ours._gemm_input_role == cast.role and ours._linear_mm_config == mm_config
+        assert ours._data.shape == shape and ours._scale.shape == ()
+        assert torch.equal(ours._data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(ours._scale, want_scale)
 
 
 def test_inplace_backward_cannot_run_twice():

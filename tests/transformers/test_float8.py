@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("torchao.float8")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
+from torchao.float8 import float8_linear  # noqa: E402
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
 
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -94,19 +96,33 @@ def test_lora_over_float8_layers_keeps_their_fp8_matmuls(scaled_mm_calls):
         assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs)
 
 
-def test_the_gate_casts_the_down_projections_input(monkeypatch):
-    # With one scale per tensor for the down projection's input (tensorwise), the gate's kernels
-    # cast their product to FP8 themselves and hand torchao the cast: the same bytes as torchao's
-    # own cast, so the same losses, bit for bit. (A rowwise input, one scale per row and per
-    # column for the weight gradient, stays torchao's to cast: the recipes' test above.)
+def test_the_gate_casts_the_down_projections_input_and_the_projections_gradients(monkeypatch):
+    # With one scale per tensor (tensorwise), the gate's kernels cast to FP8 themselves what
+    # torchao would cast next to them: their product (the down projection's input) and their
+    # gradients (the gate and up projections' output gradients). torchao takes those as cast, and
+    # they are the same bytes as its own casts, so the losses are the same, bit for bit. (A
+    # rowwise recipe, scaled per row and per column, stays torchao's to cast: the recipes' test.)
+    intermediate = tiny_model("llama").config.intermediate_size
+    torchao_casts = []
+
+    def recorded_cast(hp_tensor, *args, gemm_input_role, **kwargs):
+        if hp_tensor.shape[-1] == intermediate and gemm_input_role.value != "weight":
+            torchao_casts.append(gemm_input_role.value)
+        return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recorded_cast)
     inputs = []
     model = float8_model("float8_first", "tensorwise")
     for layer in model.model.layers:
         layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: inputs.append(type(args[0]).__name__))
     losses, _ = train(model, [])
     assert set(inputs) == {"Float8TrainingTensor"}
-    monkeypatch.setattr(layers, "float8_input_wrap", lambda linear: None)
+    assert torchao_casts == []
+    monkeypatch.setattr(layers, "float8_cast", lambda linear, operand: None)
     unfused_losses, _ = train(float8_model("float8_first", "tensorwise"), [])
+    # Unfused, torchao casts the down projection's input (in forward, and again in backward) and
+    # both projections' output gradients (twice each: one copy per matmul).
+    assert sorted(set(torchao_casts)) == ["grad_output", "input"]
     assert losses == unfused_losses
 
 
@@ -139,27 +155,29 @@ def test_a_head_of_another_float8_config_is_refused():
         model(input_ids=input_ids, labels=labels)
 
 
-def test_compiled_decoder_layers_train_as_eager_ones(monkeypatch):
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_compiled_decoder_layers_train_as_eager_ones(monkeypatch, recipe):
     # torch.compile over each decoder layer, as torchtitan trains FP8 (torchao's casts are fused
-    # only so). Its trace refuses a backward that writes into a view made inside a custom Function,
-    # as torchao's outputs are: compiled, the gate's inputs are copied first, and its backward
-    # still writes the gradients over them, in one graph per layer. aot_eager runs the traced
-    # graphs without Inductor's code generation: the same math as eager.
-    eager_losses, _ = train(float8_model("tigon_first", "rowwise"), [])
-    in_place = []
+    # only so), in one graph per layer. Its trace refuses a backward that writes into a view made
+    # inside a custom Function, as torchao's outputs are: compiled, the gate's inputs are copied
+    # first, and its backward still writes the gradients over them (rowwise). Where the gate casts
+    # its gradients to FP8 (tensorwise), they are new tensors and nothing is copied. aot_eager
+    # runs the traced graphs without Inductor's code generation: the same math as eager.
+    eager_losses, _ = train(float8_model("tigon_first", recipe), [])
+    launches = []
     launch_bwd = gated._launch_bwd
 
-    def recording_launch(dout, gate, up, d_gate, d_up, *args, **kwargs):
-        in_place.append(d_gate is gate and d_up is up)
-        return launch_bwd(dout, gate, up, d_gate, d_up, *args, **kwargs)
+    def recording_launch(dout, gate, up, d_gate, d_up, *args, output="store", **kwargs):
+        launches.append("fp8" if output != "store" else "in place" if d_gate is gate and d_up is up else "new")
+        return launch_bwd(dout, gate, up, d_gate, d_up, *args, output=output, **kwargs)
 
     monkeypatch.setattr(gated, "_launch_bwd", recording_launch)
     torch._dynamo.reset()
     counters.clear()
-    model = float8_model("tigon_first", "rowwise")
+    model = float8_model("tigon_first", recipe)
     for layer in model.model.layers:
         layer.compile(backend="aot_eager")
     losses, _ = train(model, [])
     assert losses == pytest.approx(eager_losses, rel=1e-4)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert in_place and all(in_place), in_place
+    assert set(launches) == {"fp8" if recipe == "tensorwise" else "in place"}, launches

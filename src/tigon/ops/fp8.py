@@ -44,7 +44,7 @@ matmul (:meth:`Fp8HeadMatmuls.group_grad_weight`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -120,6 +120,13 @@ def fp8_code(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
 
 
 @triton.jit
+def saturated_fp8_code(x, scale, LIMIT: tl.constexpr, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
+    """The FP8 byte of fp32 ``x · scale`` clamped to ``±LIMIT`` (the format's largest finite
+    value), as torchao's saturated cast makes it."""
+    return fp8_code(tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
+
+
+@triton.jit
 def fp8_amax_kernel(
     x_ptr, row_amax_ptr, column_amax_ptr, tensor_amax_ptr, n_rows, n_cols, x_row_stride,
     ROWS: tl.constexpr, COLUMNS: tl.constexpr, TENSOR: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -159,7 +166,7 @@ def store_fp8_copies(
             scale = tl.load(row_scale_ptr + rows, mask=row_mask, other=1.0)[:, None]
         else:
             scale = tl.load(row_scale_ptr)
-        row_codes = fp8_code(tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
+        row_codes = saturated_fp8_code(x, scale, LIMIT, MANT_BITS, EXP_BIAS)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :], row_codes,
                  mask=row_mask[:, None] & col_mask[None, :])
     if COLUMN_SCALE != NO_COPY:
@@ -170,7 +177,7 @@ def store_fp8_copies(
                 scale = tl.load(column_scale_ptr + cols, mask=col_mask, other=1.0)[None, :]
             else:
                 scale = tl.load(column_scale_ptr)
-            codes = fp8_code(tl.minimum(tl.maximum(x * scale, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
+            codes = saturated_fp8_code(x, scale, LIMIT, MANT_BITS, EXP_BIAS)
         tl.store(out_t_ptr + cols.to(tl.int64)[:, None] * out_t_row_stride + rows[None, :], tl.trans(codes),
                  mask=col_mask[:, None] & (rows < padded_rows)[None, :])
 
@@ -258,6 +265,34 @@ def check_recipe(recipe: str | None, weight_shape: torch.Size) -> None:
 FORMATS = {E4M3: (3, 7), E5M2: (2, 15)}  # mantissa bits, exponent bias
 
 
+def fp8_format(dtype: torch.dtype) -> dict:
+    """The constexprs by which a kernel stores ``dtype`` bytes (:func:`saturated_fp8_code`): its
+    largest finite value, mantissa bits and exponent bias."""
+    mant_bits, exp_bias = FORMATS[dtype]
+    return dict(LIMIT=torch.finfo(dtype).max, MANT_BITS=mant_bits, EXP_BIAS=exp_bias)
+
+
+class Fp8Cast(NamedTuple):
+    """A cast to FP8 with one dynamic scale for the whole tensor, which a kernel makes on its
+    output for the torchao ``Float8Linear`` matmul that consumes it: the FP8 ``dtype``, whether
+    the scale ``max(dtype) / amax`` is floored to a power of two, and what torchao's
+    ``Float8TrainingTensor`` carries besides its data and scale (the 16-bit dtype it stands for,
+    the linear's ``LinearMMConfig``, the operand's ``GemmInputRole``). Constants only, so that
+    torch.compile takes it into its graph."""
+
+    dtype: torch.dtype
+    power_of_2: bool
+    orig_dtype: torch.dtype
+    linear_mm_config: object
+    role: object
+
+    def wrap(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``data`` (FP8) and ``scale`` (fp32, 0-d) as the tensor the matmul takes as cast."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        return Float8TrainingTensor(data, scale, self.orig_dtype, self.linear_mm_config, self.role)
+
+
 def power_of_2_floor(scale: torch.Tensor) -> torch.Tensor:
     """The largest power of two not above each (positive, normal) fp32 ``scale``: its mantissa
     cleared, exactly."""
@@ -321,13 +356,12 @@ def cast(t: torch.Tensor, dtype: torch.dtype, rows: Scaling | None, columns: Sca
     out = t.new_empty((n_rows, n_cols), dtype=dtype) if rows else None
     out_t = t.new_empty((n_cols, padded_rows), dtype=dtype) if columns else None
     if padded_rows * n_cols:
-        mant_bits, exp_bias = FORMATS[dtype]
         launch(
             fp8_cast_kernel, (triton.cdiv(padded_rows, CAST_BLOCK_M), triton.cdiv(n_cols, CAST_BLOCK_K)),
             t, row_scale, column_scale, None if out is None else out.view(torch.uint8),
             None if out_t is None else out_t.view(torch.uint8), n_rows, n_cols, padded_rows, t.stride(0),
             n_cols, padded_rows, ROW_SCALE=_SCALE_KINDS[rows].value, COLUMN_SCALE=_SCALE_KINDS[columns].value,
-            LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias, BLOCK_M=CAST_BLOCK_M, BLOCK_K=CAST_BLOCK_K,
+            **fp8_format(dtype), BLOCK_M=CAST_BLOCK_M, BLOCK_K=CAST_BLOCK_K,
             num_warps=CAST_WARPS,
         )
 
@@ -461,7 +495,6 @@ class Fp8HeadMatmuls:
             out_t = logits.new_empty((n_cols, padded_rows), dtype=self.recipe.grad_dtype)
         else:
             out_t = None
-        mant_bits, exp_bias = FORMATS[self.recipe.grad_dtype]
         if padded_rows * n_cols:
             launch(
                 cross_entropy_grad_fp8_kernel,
@@ -472,7 +505,7 @@ class Fp8HeadMatmuls:
                 1.0 if softcap is None else softcap,
                 ROW_COPY=(NO_COPY if out is None else PER_TENSOR).value,
                 COLUMN_COPY=(NO_COPY if out_t is None else PER_TENSOR).value, HAS_SOFTCAP=softcap is not None,
-                LIMIT=limit, MANT_BITS=mant_bits, EXP_BIAS=exp_bias, BLOCK_M=GRAD_CAST_BLOCK_M,
+                **fp8_format(self.recipe.grad_dtype), BLOCK_M=GRAD_CAST_BLOCK_M,
                 BLOCK_K=GRAD_CAST_BLOCK_K, num_warps=GRAD_CAST_WARPS,
             )
         inverse = inverse.reshape(())

@@ -24,6 +24,13 @@ inputs is saved)::
 ``inplace_backward`` writes ``d_gate`` and ``d_up`` over ``gate`` and ``up`` (each element is
 read before it is overwritten, by the same program), so the backward allocates nothing.
 
+Beside FP8 matmuls that scale each operand by one number (torchao's ``tensorwise`` recipe), the
+gate casts its output (the next matmul's input), its gradients (the previous matmuls' output
+gradients), or both, to FP8 itself: a first pass over the inputs folds the largest magnitude of
+the 16-bit values into one number, the scale ``max(fp8) / amax`` follows, and a second pass
+recomputes the values, scales them and stores FP8 bytes. The 16-bit tensors are never stored,
+and the bytes equal those of a cast of them.
+
 With the MLP's down projection fused in (:class:`GatedLinearFunction`, ``out = h @ Wᵀ`` with
 ``h = act(gate) · up``), nothing of ``h`` is saved: a separate down projection keeps ``h`` for its
 weight gradient ``dWᵀ = doutᵀ·h``, a third ``[N, I]`` tensor beside ``gate`` and ``up``. The
@@ -67,7 +74,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops import lora as _lora
-from tigon.ops.fp8 import E4M3, FORMATS, fp8_code, fp8_scales
+from tigon.ops.fp8 import fp8_format, fp8_scales, saturated_fp8_code
 from tigon.ops._launch import (
     as_rows,
     cdiv,
@@ -87,8 +94,6 @@ ELEMENTS_PER_WARP = 512
 
 # The kernels' activation of each gate.
 GATE_KINDS = {"swiglu": "silu", "geglu": "gelu_tanh"}
-# How gated_fwd_kernel writes e4m3: its largest finite value, mantissa bits and exponent bias.
-E4M3_FORMAT = dict(LIMIT=torch.finfo(E4M3).max, MANT_BITS=FORMATS[E4M3][0], EXP_BIAS=FORMATS[E4M3][1])
 _GELU_SLOPE = tl.constexpr(2 * 0.7978845608028654)  # 2·√(2/π): z = slope·(g + cubic·g³)
 _GELU_CUBIC = tl.constexpr(0.044715)
 
@@ -103,6 +108,12 @@ def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _tile_amax(values):
+    """The largest magnitude in a 2-D tile, in fp32."""
+    return tl.max(tl.max(tl.abs(values.to(tl.float32)), axis=1), axis=0)
 
 
 @triton.jit
@@ -128,18 +139,17 @@ def gated_fwd_kernel(
 ):
     """``act(gate) · up``, rounded to the inputs' dtype, and per ``OUTPUT``: stored in ``OUT``
     (``"store"``); its largest magnitude folded into ``SCALE [1]`` by atomic maximum (``"amax"``);
-    or times ``SCALE [1]``, saturated and stored as FP8 bytes in ``OUT`` (``"e4m3"``, the format
-    :data:`E4M3_FORMAT` gives)."""
+    or times ``SCALE [1]``, saturated and stored as FP8 bytes in ``OUT`` (``"fp8"``, the format of
+    :func:`tigon.ops.fp8.fp8_format`)."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     gate = tl.load(GATE + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     act, _ = gate_activation(gate, ACTIVATION)
     out = (act * up).to(GATE.dtype.element_ty)
     if OUTPUT == "amax":
-        tl.atomic_max(SCALE, tl.max(tl.max(tl.abs(out.to(tl.float32)), axis=1), axis=0))
-    elif OUTPUT == "e4m3":
-        scaled = out.to(tl.float32) * tl.load(SCALE)
-        code = fp8_code(tl.minimum(tl.maximum(scaled, -LIMIT), LIMIT), MANT_BITS, EXP_BIAS)
+        tl.atomic_max(SCALE, _tile_amax(out))
+    elif OUTPUT == "fp8":
+        code = saturated_fp8_code(out.to(tl.float32), tl.load(SCALE), LIMIT, MANT_BITS, EXP_BIAS)
         tl.store(OUT + rows * stride_out + cols, code, mask=mask)
     else:
         tl.store(OUT + rows * stride_out + cols, out, mask=mask)
@@ -147,11 +157,16 @@ def gated_fwd_kernel(
 
 @triton.jit
 def gated_bwd_kernel(
-    GATE, UP, DOUT, DGATE, DUP,
+    GATE, UP, DOUT, DGATE, DUP, SCALES,
     n_rows, n_cols,
     stride_gate, stride_up, stride_dout, stride_dgate, stride_dup,
     ACTIVATION: tl.constexpr, STORE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OUTPUT: tl.constexpr = "store",
+    LIMIT: tl.constexpr = None, MANT_BITS: tl.constexpr = None, EXP_BIAS: tl.constexpr = None,
 ):
+    """``d_gate`` and ``d_up``, per ``OUTPUT`` as :func:`gated_fwd_kernel`'s product: stored
+    (``"store"``); rounded to the inputs' dtype, their largest magnitudes folded into ``SCALES
+    [2]`` (``"amax"``); or rounded, times ``SCALES [2]`` and stored as FP8 bytes (``"fp8"``)."""
     # DGATE and DUP may be GATE and UP themselves: every element is loaded before the stores
     # that depend on it, and tiles of different programs do not overlap. With STORE_OUT, the
     # forward's output act(gate)·up is recomputed over DOUT, by the same reasoning.
@@ -160,8 +175,23 @@ def gated_bwd_kernel(
     up = tl.load(UP + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
     act, act_grad = gate_activation(gate, ACTIVATION)
-    tl.store(DUP + rows * stride_dup + cols, (dout * act).to(DUP.dtype.element_ty), mask=mask)
-    tl.store(DGATE + rows * stride_dgate + cols, (dout * up * act_grad).to(DGATE.dtype.element_ty), mask=mask)
+    d_up = dout * act
+    d_gate = dout * up * act_grad
+    if OUTPUT == "store":
+        tl.store(DUP + rows * stride_dup + cols, d_up.to(DUP.dtype.element_ty), mask=mask)
+        tl.store(DGATE + rows * stride_dgate + cols, d_gate.to(DGATE.dtype.element_ty), mask=mask)
+    else:
+        # torchao casts the gradients autograd would hand it: rounded to the 16-bit dtype first.
+        d_gate = d_gate.to(GATE.dtype.element_ty).to(tl.float32)
+        d_up = d_up.to(GATE.dtype.element_ty).to(tl.float32)
+        if OUTPUT == "amax":
+            tl.atomic_max(SCALES, _tile_amax(d_gate))
+            tl.atomic_max(SCALES + 1, _tile_amax(d_up))
+        else:
+            gate_code = saturated_fp8_code(d_gate, tl.load(SCALES), LIMIT, MANT_BITS, EXP_BIAS)
+            tl.store(DGATE + rows * stride_dgate + cols, gate_code, mask=mask)
+            up_code = saturated_fp8_code(d_up, tl.load(SCALES + 1), LIMIT, MANT_BITS, EXP_BIAS)
+            tl.store(DUP + rows * stride_dup + cols, up_code, mask=mask)
     if STORE_OUT:
         tl.store(DOUT + rows * stride_dout + cols, (act * up).to(DOUT.dtype.element_ty), mask=mask)
 
@@ -296,21 +326,21 @@ def gated_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Te
     return out
 
 
-def _gated_fwd_e4m3_fake(gate, up, activation, power_of_2):
-    return gate.new_empty(gate.shape, dtype=E4M3), gate.new_empty((), dtype=torch.float32)
+def _gated_fwd_fp8_fake(gate, up, activation, dtype, power_of_2):
+    return gate.new_empty(gate.shape, dtype=dtype), gate.new_empty((), dtype=torch.float32)
 
 
-@tigon_op("gated_fwd_e4m3", fake=_gated_fwd_e4m3_fake)
-def gated_fwd_e4m3(
-    gate: torch.Tensor, up: torch.Tensor, activation: str, power_of_2: bool,
+@tigon_op("gated_fwd_fp8", fake=_gated_fwd_fp8_fake)
+def gated_fwd_fp8(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, dtype: torch.dtype, power_of_2: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate, up [N, I]`` row views → ``act(gate) · up`` as torchao's tensorwise cast makes it
-    from the product rounded to ``gate``'s dtype: e4m3 ``[N, I]`` (contiguous) times ``scale =
-    448 / amax`` over the whole tensor (fp64, floored to a power of two with ``power_of_2``), and
-    ``scale`` (fp32, 0-d). Two reads of the inputs (the amax, then the cast); the 16-bit product
-    is never stored."""
+    from the product rounded to ``gate``'s dtype: FP8 ``dtype [N, I]`` (contiguous) times ``scale
+    = max(dtype) / amax`` over the whole tensor (fp64, floored to a power of two with
+    ``power_of_2``), and ``scale`` (fp32, 0-d). Two reads of the inputs (the amax, then the cast);
+    the 16-bit product is never stored."""
     n_rows, n_cols = gate.shape
-    out = gate.new_empty((n_rows, n_cols), dtype=E4M3)
+    out = gate.new_empty((n_rows, n_cols), dtype=dtype)
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
 
     def run(output, scale):
@@ -320,25 +350,27 @@ def gated_fwd_e4m3(
             n_rows, n_cols,
             gate.stride(0), up.stride(0), out.stride(0),
             ACTIVATION=activation, OUTPUT=output, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-            **E4M3_FORMAT,
+            **fp8_format(dtype),
         )
 
     amax = gate.new_zeros(1, dtype=torch.float32)
     run("amax", amax)
-    scale, _ = fp8_scales(amax, E4M3_FORMAT["LIMIT"], power_of_2)
-    run("e4m3", scale)
+    scale, _ = fp8_scales(amax, torch.finfo(dtype).max, power_of_2)
+    run("fp8", scale)
     return out, scale.reshape(())
 
 
-def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False):
+def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False, output="store", scales=None,
+                fp8_dtype=None):
     n_rows, n_cols = gate.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
     launch(
         gated_bwd_kernel, grid,
-        gate, up, dout, d_gate, d_up,
+        gate, up, dout, d_gate, d_up, scales,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), dout.stride(0), d_gate.stride(0), d_up.stride(0),
         ACTIVATION=activation, STORE_OUT=store_out, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        OUTPUT=output, **(fp8_format(fp8_dtype) if output == "fp8" else {}),
     )
 
 
@@ -360,6 +392,31 @@ def gated_bwd(
 def gated_bwd_inplace(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
     """As :func:`gated_bwd`, but ``d_gate`` overwrites ``gate`` and ``d_up`` overwrites ``up``."""
     _launch_bwd(dout, gate, up, gate, up, activation)
+
+
+def _gated_bwd_fp8_fake(dout, gate, up, activation, dtype, gate_power_of_2, up_power_of_2):
+    scale = gate.new_empty((), dtype=torch.float32)
+    return gate.new_empty(gate.shape, dtype=dtype), gate.new_empty(gate.shape, dtype=dtype), scale, scale.clone()
+
+
+@tigon_op("gated_bwd_fp8", fake=_gated_bwd_fp8_fake)
+def gated_bwd_fp8(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, dtype: torch.dtype,
+    gate_power_of_2: bool, up_power_of_2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`gated_bwd`, each gradient cast as torchao's tensorwise cast makes it from the
+    gradient rounded to ``gate``'s dtype (see :func:`gated_fwd_fp8`): ``(d_gate, d_up)`` in FP8
+    ``dtype [N, I]`` (contiguous) and their scales (fp32, 0-d). Two reads of the inputs; the 16-bit
+    gradients are never stored."""
+    d_gate, d_up = (gate.new_empty(gate.shape, dtype=dtype) for _ in range(2))
+    amax = gate.new_zeros(2, dtype=torch.float32)
+    _launch_bwd(dout, gate, up, d_gate, d_up, activation, output="amax", scales=amax)
+    limit = torch.finfo(dtype).max
+    gate_scale, _ = fp8_scales(amax[:1], limit, gate_power_of_2)
+    up_scale, _ = fp8_scales(amax[1:], limit, up_power_of_2)
+    _launch_bwd(dout, gate, up, d_gate.view(torch.uint8), d_up.view(torch.uint8), activation, output="fp8",
+                scales=torch.cat((gate_scale, up_scale)), fp8_dtype=dtype)
+    return d_gate, d_up, gate_scale.reshape(()), up_scale.reshape(())
 
 
 def _gated_bwd_recompute_fake(dout, gate, up, activation, inplace):
@@ -477,7 +534,7 @@ def relu2_bwd_inplace(dout: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _gated_grads(ctx, dout):
-    """The backward of :class:`GatedFunction` and :class:`GatedE4M3Function`: ``d_gate`` and
+    """The backward of :class:`GatedFunction` and :class:`GatedFp8Function`: ``d_gate`` and
     ``d_up`` (over the saved ``gate`` and ``up`` with ``inplace_backward``), ``None`` for the rest."""
     gate_rows, up_rows = ctx.saved_tensors
     dout_rows = as_rows(dout)
@@ -515,29 +572,49 @@ class GatedFunction(torch.autograd.Function):
         return _gated_grads(ctx, dout)
 
 
-class GatedE4M3Function(torch.autograd.Function):
-    """:class:`GatedFunction` with its output as the FP8 input of the next matmul, cast in the same
-    kernels (:func:`gated_fwd_e4m3`): ``wrap(data, scale)`` makes it the tensor that matmul takes
-    (torchao's ``Float8TrainingTensor``). The backward is :class:`GatedFunction`'s, exact for the
-    16-bit product the cast rounds: the gradient with respect to it passes straight through the
-    cast, as through torchao's own (saved ``gate`` and ``up`` as :class:`GatedFunction`)."""
+# In torch.compile's graph as it is, as torchao's matmul: dynamo's own trace of the backward would
+# guess the output's gradient to be an FP8 tensor like the output, where autograd gives 16 bits.
+@torch._dynamo.allow_in_graph
+class GatedFp8Function(torch.autograd.Function):
+    """:class:`GatedFunction` whose output, or whose gradients, or both, are the FP8 operands of
+    the matmuls next to it, cast in the gate's kernels as :class:`tigon.ops.fp8.Fp8Cast` objects say:
+
+    - ``output_cast``: the product as the next matmul's input (:func:`gated_fwd_fp8`); the 16-bit
+      product is never stored. Its gradient passes straight through the cast, as through
+      torchao's own.
+    - ``grad_casts``: ``d_gate`` and ``d_up`` (one FP8 dtype) as the output gradients of the
+      matmuls that made ``gate`` and ``up`` (:func:`gated_bwd_fp8`); the 16-bit gradients are never
+      stored, and ``gate`` and ``up`` are freed with this function's backward.
+
+    ``None`` leaves that side in 16 bits. Saved: ``gate`` and ``up``, as :class:`GatedFunction`."""
 
     @staticmethod
-    def forward(ctx, gate, up, activation, inplace_backward, power_of_2, wrap):
+    def forward(ctx, gate, up, activation, inplace_backward, output_cast, grad_casts):
         gate_rows, up_rows = as_rows(gate), as_rows(up)
-        data, scale = gated_fwd_e4m3(gate_rows, up_rows, activation, power_of_2)
         ctx.save_for_backward(gate_rows, up_rows)
         ctx.activation = activation
         ctx.inplace_backward = inplace_backward
-        return wrap(data.view(gate.shape), scale)
+        ctx.grad_casts = grad_casts
+        if output_cast is None:
+            return gated_fwd(gate_rows, up_rows, activation).view(gate.shape)
+        data, scale = gated_fwd_fp8(gate_rows, up_rows, activation, output_cast.dtype, output_cast.power_of_2)
+        return output_cast.wrap(data.view(gate.shape), scale)
 
     @staticmethod
     def backward(ctx, dout):
-        # torch.compile's trace of this backward hands it a gradient of the output's own type
-        # (torchao's FP8 tensor); autograd hands it the 16-bit gradient of the product.
-        if hasattr(dout, "to_original_precision"):
-            dout = dout.to_original_precision()
-        return _gated_grads(ctx, dout)
+        if ctx.grad_casts is None:
+            return _gated_grads(ctx, dout)
+        gate_rows, up_rows = ctx.saved_tensors
+        gate_cast, up_cast = ctx.grad_casts
+        d_gate, d_up, gate_scale, up_scale = gated_bwd_fp8(
+            as_rows(dout), gate_rows, up_rows, ctx.activation, gate_cast.dtype, gate_cast.power_of_2,
+            up_cast.power_of_2,
+        )
+        return (
+            gate_cast.wrap(d_gate.view(dout.shape), gate_scale) if ctx.needs_input_grad[0] else None,
+            up_cast.wrap(d_up.view(dout.shape), up_scale) if ctx.needs_input_grad[1] else None,
+            None, None, None, None,
+        )
 
 
 class SwiGLUClampedFunction(torch.autograd.Function):
@@ -850,10 +927,10 @@ def geglu(gate, up, inplace_backward):
     return GatedFunction.apply(gate, up, GATE_KINDS["geglu"], inplace_backward)
 
 
-def gated_e4m3(gate, up, gate_kind, inplace_backward, power_of_2, wrap):
-    """``act(gate) · up`` (``gate_kind`` ``"swiglu"`` or ``"geglu"``) cast to e4m3 with one scale,
-    as ``wrap(data [...], scale [])`` (:class:`GatedE4M3Function`)."""
-    return GatedE4M3Function.apply(gate, up, GATE_KINDS[gate_kind], inplace_backward, power_of_2, wrap)
+def gated_fp8(gate, up, gate_kind, inplace_backward, output_cast, grad_casts):
+    """``act(gate) · up`` (``gate_kind`` ``"swiglu"`` or ``"geglu"``) with its output, or its
+    gradients, or both, cast to FP8 with one scale a tensor (:class:`GatedFp8Function`)."""
+    return GatedFp8Function.apply(gate, up, GATE_KINDS[gate_kind], inplace_backward, output_cast, grad_casts)
 
 
 def swiglu_clamped(gate_up, alpha, limit, inplace_backward):

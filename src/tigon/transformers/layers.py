@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 
 from tigon import functional as F
-from tigon.ops.gated import auto_tile_rows, gated_e4m3
+from tigon.ops.fp8 import Fp8Cast
+from tigon.ops.gated import auto_tile_rows, gated_fp8
 from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
@@ -38,26 +39,28 @@ def is_float8_linear(module: torch.nn.Module) -> bool:
     return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
 
 
-def float8_input_wrap(linear: torch.nn.Module):
-    """For a torchao ``Float8Linear`` whose input both its matmuls take in e4m3 with one dynamic
-    scale (the ``tensorwise`` recipe): ``wrap(data, scale)``, the ``Float8TrainingTensor`` it takes
-    as an input already cast (it then casts nothing, and keeps the FP8 input for its backward).
-    ``None`` for any other module or recipe."""
+def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
+    """For a torchao ``Float8Linear`` that takes ``operand`` (``"input"`` or ``"grad_output"``)
+    in one FP8 dtype with one dynamic scale for both the matmuls that use it (the ``tensorwise``
+    recipe): the :class:`~tigon.ops.fp8.Fp8Cast` a kernel makes for it, handing it the
+    ``Float8TrainingTensor`` it then takes as cast (it casts nothing; an input stays in FP8 for
+    its backward). ``None`` for any other module or recipe."""
     if not is_float8_linear(linear):
         return None
     from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+    from torchao.float8.float8_training_tensor import GemmInputRole
 
     config = linear.config
-    for cast in (config.cast_config_input, config.cast_config_input_for_grad_weight):
-        if (cast.scaling_type is not ScalingType.DYNAMIC or cast.scaling_granularity is not ScalingGranularity.TENSORWISE
-                or cast.target_dtype != torch.float8_e4m3fn):
-            return None
-
-    def wrap(data, scale):
-        return Float8TrainingTensor(data, scale, linear.weight.dtype, linear.linear_mm_config, GemmInputRole.INPUT)
-
-    return wrap
+    casts, role = {
+        "input": ((config.cast_config_input, config.cast_config_input_for_grad_weight), GemmInputRole.INPUT),
+        "grad_output": ((config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight),
+                        GemmInputRole.GRAD_OUTPUT),
+    }[operand]
+    dtypes = {cast.target_dtype for cast in casts}
+    if len(dtypes) != 1 or any(cast.scaling_type is not ScalingType.DYNAMIC
+                               or cast.scaling_granularity is not ScalingGranularity.TENSORWISE for cast in casts):
+        return None
+    return Fp8Cast(dtypes.pop(), config.round_scales_to_power_of_2, linear.weight.dtype, linear.linear_mm_config, role)
 
 
 class TigonRMSNorm:
@@ -137,15 +140,27 @@ class TigonMLP:
         at the backward's peak."""
         return output.clone() if torch.compiler.is_compiling() and is_float8_linear(projection) else output
 
-    def _gated(self, gate, up, down_proj):
-        """The gate over the projections' outputs, cast to FP8 in the same kernels where
-        ``down_proj`` takes its input so (:func:`float8_input_wrap`): the 16-bit product is
-        never stored, and the down projection keeps its input in FP8 for its backward."""
-        wrap = None if isinstance(gate, DTensor) or torch.is_autocast_enabled(gate.device.type) \
-            else float8_input_wrap(down_proj)
-        if wrap is not None:
-            return gated_e4m3(gate, up, self.gate, True, down_proj.config.round_scales_to_power_of_2, wrap)
-        return getattr(F, self.gate)(gate, up, inplace_backward=True)
+    @staticmethod
+    def _float8_casts(gate, down_proj, gate_proj=None, up_proj=None) -> tuple[Fp8Cast | None, tuple | None]:
+        """The FP8 casts the gate makes around torchao's tensorwise ``Float8Linear`` layers
+        (:func:`float8_cast`): of its output, for ``down_proj``'s input, and of its two gradients,
+        for ``gate_proj``'s and ``up_proj``'s output gradients (both or neither, in one dtype).
+        None of them on a DTensor (a tensor-parallel plan's) or under autocast."""
+        if isinstance(gate, DTensor) or torch.is_autocast_enabled(gate.device.type):
+            return None, None
+        grad_casts = (float8_cast(gate_proj, "grad_output"), float8_cast(up_proj, "grad_output"))
+        if None in grad_casts or grad_casts[0].dtype != grad_casts[1].dtype:
+            grad_casts = None
+        return float8_cast(down_proj, "input"), grad_casts
+
+    def _gated(self, gate, up, casts):
+        """The gate over the projections' outputs, with its FP8 ``casts`` (:meth:`_float8_casts`):
+        a product cast for the down projection is never stored in 16 bits, and the down
+        projection keeps it in FP8 for its backward; gradients cast for the projections are
+        never stored in 16 bits, and torchao casts none of them."""
+        if casts == (None, None):
+            return getattr(F, self.gate)(gate, up, inplace_backward=True)
+        return gated_fp8(gate, up, self.gate, True, *casts)
 
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
@@ -196,8 +211,11 @@ class TigonGatedMLP(TigonMLP):
                     x, gate, up, down, gate_lora=gate_lora, up_lora=up_lora, down_lora=down_lora,
                     tile_tokens=tile_tokens,
                 )
-        gate, up = self._writable(self.gate_proj(x), self.gate_proj), self._writable(self.up_proj(x), self.up_proj)
-        return self.down_proj(self._gated(gate, up, self.down_proj))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        casts = self._float8_casts(gate, self.down_proj, self.gate_proj, self.up_proj)
+        if casts[1] is None:  # the backward writes its gradients over gate and up
+            gate, up = self._writable(gate, self.gate_proj), self._writable(up, self.up_proj)
+        return self.down_proj(self._gated(gate, up, casts))
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -206,7 +224,7 @@ class TigonFusedGateUpMLP(TigonMLP):
 
     def forward(self, x):
         gate, up = self._writable(self.gate_up_proj(x), self.gate_up_proj).chunk(2, dim=-1)
-        return self.down_proj(self._gated(gate, up, self.down_proj))
+        return self.down_proj(self._gated(gate, up, self._float8_casts(gate, self.down_proj)))
 
 
 class TigonUngatedMLP(TigonMLP):
