@@ -295,6 +295,18 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+# The dispatch modes under which tensors are traced, not computed: torch.compile runs a function
+# it keeps whole in its graph (torchao's matmul, tigon's FP8 gate: ``allow_in_graph``) on fake
+# tensors, and torch 2.11 does not say ``is_compiling()`` then.
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def _tracing() -> bool:
+    """Whether tensors are being traced (by torch.compile, or under a fake or functional mode)."""
+    return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
 def tigon_op(name: str, *, mutates_args: tuple[str, ...] = (), fake: Callable | None = None):
     """Register a launcher as the PyTorch custom op ``tigon::<name>``.
 
@@ -314,7 +326,7 @@ def tigon_op(name: str, *, mutates_args: tuple[str, ...] = (), fake: Callable | 
 
         @functools.wraps(launcher)
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling():
+            if _tracing():
                 return op(*args, **kwargs)
             result = launcher(*args, **kwargs)
             if mutates_args:
