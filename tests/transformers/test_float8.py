@@ -17,6 +17,7 @@ pytest.importorskip("torchao.float8")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8 import float8_linear  # noqa: E402
+from torchao.float8.config import ScalingType  # noqa: E402
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
 
 from torch._dynamo.utils import counters  # noqa: E402
@@ -181,3 +182,24 @@ def test_compiled_decoder_layers_train_as_eager_ones(monkeypatch, recipe):
     assert losses == pytest.approx(eager_losses, rel=1e-4)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert set(launches) == {"fp8" if recipe == "tensorwise" else "in place"}, launches
+
+
+def test_the_gate_casts_for_one_fp8_dtype_and_one_scale_only():
+    # The gate casts an operand of a Float8Linear only where both matmuls taking it want one FP8
+    # dtype with one dynamic scale for the whole tensor (tensorwise).
+    def converted(config):
+        return convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False)), config=config)[0]
+
+    tensorwise = converted(Float8LinearConfig.from_recipe_name("tensorwise"))
+    assert layers.float8_cast(tensorwise, "input").dtype == torch.float8_e4m3fn
+    assert layers.float8_cast(tensorwise, "grad_output").dtype == torch.float8_e5m2
+    rowwise = converted(Float8LinearConfig.from_recipe_name("rowwise"))
+    assert layers.float8_cast(rowwise, "input") is None and layers.float8_cast(rowwise, "grad_output") is None
+    # The weight gradient's matmul in high precision: its operands are not cast at all.
+    high_precision_grad_weight = converted(Float8LinearConfig(
+        cast_config_input_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
+        cast_config_grad_output_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
+    ))
+    assert layers.float8_cast(high_precision_grad_weight, "input") is None
+    assert layers.float8_cast(high_precision_grad_weight, "grad_output") is None
+    assert layers.float8_cast(torch.nn.Linear(32, 32), "input") is None

@@ -304,7 +304,8 @@ _TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchMo
 
 def _tracing() -> bool:
     """Whether tensors are being traced (by torch.compile, or under a fake or functional mode)."""
-    return torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+    return torch.compiler.is_compiling() or any(
+        torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
 
 
 def tigon_op(name: str, *, mutates_args: tuple[str, ...] = (), fake: Callable | None = None):

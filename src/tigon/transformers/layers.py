@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 
 from tigon import functional as F
-from tigon.ops.fp8 import Fp8Cast
+from tigon.ops.fp8 import FORMATS, Fp8Cast
 from tigon.ops.gated import auto_tile_rows, gated_fp8
 from tigon.transformers.lora import mlp_projection
 
@@ -57,8 +57,9 @@ def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
                         GemmInputRole.GRAD_OUTPUT),
     }[operand]
     dtypes = {cast.target_dtype for cast in casts}
-    if len(dtypes) != 1 or any(cast.scaling_type is not ScalingType.DYNAMIC
-                               or cast.scaling_granularity is not ScalingGranularity.TENSORWISE for cast in casts):
+    tensorwise = all(cast.scaling_type is ScalingType.DYNAMIC
+                     and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts)
+    if not tensorwise or len(dtypes) != 1 or not dtypes <= FORMATS.keys():
         return None
     return Fp8Cast(dtypes.pop(), config.round_scales_to_power_of_2, linear.weight.dtype, linear.linear_mm_config, role)
 
