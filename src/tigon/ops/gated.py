@@ -360,17 +360,19 @@ def gated_fwd_fp8(
     return out, scale.reshape(())
 
 
-def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False, output="store", scales=None,
-                fp8_dtype=None):
+def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False, output="store", scales=None):
+    """:func:`gated_bwd_kernel` over ``[N, I]`` row views; with ``output="fp8"``, ``d_gate`` and
+    ``d_up`` are FP8 tensors of one dtype, written as their bytes."""
     n_rows, n_cols = gate.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
+    fp8 = output == "fp8"
     launch(
         gated_bwd_kernel, grid,
-        gate, up, dout, d_gate, d_up, scales,
+        gate, up, dout, d_gate.view(torch.uint8) if fp8 else d_gate, d_up.view(torch.uint8) if fp8 else d_up, scales,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), dout.stride(0), d_gate.stride(0), d_up.stride(0),
         ACTIVATION=activation, STORE_OUT=store_out, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        OUTPUT=output, **(fp8_format(fp8_dtype) if output == "fp8" else {}),
+        OUTPUT=output, **(fp8_format(d_gate.dtype) if fp8 else {}),
     )
 
 
@@ -394,29 +396,26 @@ def gated_bwd_inplace(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
     _launch_bwd(dout, gate, up, gate, up, activation)
 
 
-def _gated_bwd_fp8_fake(dout, gate, up, activation, dtype, gate_power_of_2, up_power_of_2):
-    scale = gate.new_empty((), dtype=torch.float32)
-    return gate.new_empty(gate.shape, dtype=dtype), gate.new_empty(gate.shape, dtype=dtype), scale, scale.clone()
+def _gated_bwd_fp8_fake(dout, gate, up, activation, dtype, power_of_2):
+    d_gate, d_up = (gate.new_empty(gate.shape, dtype=dtype) for _ in range(2))
+    return d_gate, d_up, gate.new_empty(2, dtype=torch.float32)
 
 
 @tigon_op("gated_bwd_fp8", fake=_gated_bwd_fp8_fake)
 def gated_bwd_fp8(
     dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, dtype: torch.dtype,
-    gate_power_of_2: bool, up_power_of_2: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    power_of_2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As :func:`gated_bwd`, each gradient cast as torchao's tensorwise cast makes it from the
     gradient rounded to ``gate``'s dtype (see :func:`gated_fwd_fp8`): ``(d_gate, d_up)`` in FP8
-    ``dtype [N, I]`` (contiguous) and their scales (fp32, 0-d). Two reads of the inputs; the 16-bit
-    gradients are never stored."""
+    ``dtype [N, I]`` (contiguous) and their scales ``[2]`` (fp32). Two reads of the inputs; the
+    16-bit gradients are never stored."""
     d_gate, d_up = (gate.new_empty(gate.shape, dtype=dtype) for _ in range(2))
     amax = gate.new_zeros(2, dtype=torch.float32)
     _launch_bwd(dout, gate, up, d_gate, d_up, activation, output="amax", scales=amax)
-    limit = torch.finfo(dtype).max
-    gate_scale, _ = fp8_scales(amax[:1], limit, gate_power_of_2)
-    up_scale, _ = fp8_scales(amax[1:], limit, up_power_of_2)
-    _launch_bwd(dout, gate, up, d_gate.view(torch.uint8), d_up.view(torch.uint8), activation, output="fp8",
-                scales=torch.cat((gate_scale, up_scale)), fp8_dtype=dtype)
-    return d_gate, d_up, gate_scale.reshape(()), up_scale.reshape(())
+    scales, _ = fp8_scales(amax, torch.finfo(dtype).max, power_of_2)
+    _launch_bwd(dout, gate, up, d_gate, d_up, activation, output="fp8", scales=scales)
+    return d_gate, d_up, scales
 
 
 def _gated_bwd_recompute_fake(dout, gate, up, activation, inplace):
@@ -582,7 +581,7 @@ class GatedFp8Function(torch.autograd.Function):
     - ``output_cast``: the product as the next matmul's input (:func:`gated_fwd_fp8`); the 16-bit
       product is never stored. Its gradient passes straight through the cast, as through
       torchao's own.
-    - ``grad_casts``: ``d_gate`` and ``d_up`` (one FP8 dtype) as the output gradients of the
+    - ``grad_casts``: ``d_gate`` and ``d_up`` (one FP8 dtype and scale rule) as the output gradients of the
       matmuls that made ``gate`` and ``up`` (:func:`gated_bwd_fp8`); the 16-bit gradients are never
       stored, and ``gate`` and ``up`` are freed with this function's backward.
 
@@ -606,13 +605,12 @@ class GatedFp8Function(torch.autograd.Function):
             return _gated_grads(ctx, dout)
         gate_rows, up_rows = ctx.saved_tensors
         gate_cast, up_cast = ctx.grad_casts
-        d_gate, d_up, gate_scale, up_scale = gated_bwd_fp8(
+        d_gate, d_up, scales = gated_bwd_fp8(
             as_rows(dout), gate_rows, up_rows, ctx.activation, gate_cast.dtype, gate_cast.power_of_2,
-            up_cast.power_of_2,
         )
         return (
-            gate_cast.wrap(d_gate.view(dout.shape), gate_scale) if ctx.needs_input_grad[0] else None,
-            up_cast.wrap(d_up.view(dout.shape), up_scale) if ctx.needs_input_grad[1] else None,
+            gate_cast.wrap(d_gate.view(dout.shape), scales[0]) if ctx.needs_input_grad[0] else None,
+            up_cast.wrap(d_up.view(dout.shape), scales[1]) if ctx.needs_input_grad[1] else None,
             None, None, None, None,
         )
 

@@ -145,12 +145,12 @@ class TigonMLP:
     def _float8_casts(gate, down_proj, gate_proj=None, up_proj=None) -> tuple[Fp8Cast | None, tuple | None]:
         """The FP8 casts the gate makes around torchao's tensorwise ``Float8Linear`` layers
         (:func:`float8_cast`): of its output, for ``down_proj``'s input, and of its two gradients,
-        for ``gate_proj``'s and ``up_proj``'s output gradients (both or neither, in one dtype).
-        None of them on a DTensor (a tensor-parallel plan's) or under autocast."""
+        for ``gate_proj``'s and ``up_proj``'s output gradients (both or neither, in one dtype and
+        scale rule). None of them on a DTensor (a tensor-parallel plan's) or under autocast."""
         if isinstance(gate, DTensor) or torch.is_autocast_enabled(gate.device.type):
             return None, None
         grad_casts = (float8_cast(gate_proj, "grad_output"), float8_cast(up_proj, "grad_output"))
-        if None in grad_casts or grad_casts[0].dtype != grad_casts[1].dtype:
+        if None in grad_casts or len({(cast.dtype, cast.power_of_2) for cast in grad_casts}) != 1:
             grad_casts = None
         return float8_cast(down_proj, "input"), grad_casts
 
