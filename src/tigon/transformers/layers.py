@@ -56,12 +56,16 @@ def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
         "grad_output": ((config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight),
                         GemmInputRole.GRAD_OUTPUT),
     }[operand]
-    dtypes = {cast.target_dtype for cast in casts}
-    tensorwise = all(cast.scaling_type is ScalingType.DYNAMIC
-                     and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts)
-    if not tensorwise or len(dtypes) != 1 or not dtypes <= FORMATS.keys():
+    # Plain comparisons only: this runs inside compiled layers, and dynamo (torch 2.11) breaks the
+    # graph at a set's `<=`, which leaves the gate's FP8 output at the graph's edge.
+    dtype = casts[0].target_dtype
+    one_tensorwise_cast = all(
+        cast.target_dtype == dtype and cast.scaling_type is ScalingType.DYNAMIC
+        and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts
+    )
+    if not one_tensorwise_cast or dtype not in FORMATS:
         return None
-    return Fp8Cast(dtypes.pop(), config.round_scales_to_power_of_2, linear.weight.dtype, linear.linear_mm_config, role)
+    return Fp8Cast(dtype, config.round_scales_to_power_of_2, linear.weight.dtype, linear.linear_mm_config, role)
 
 
 class TigonRMSNorm:
