@@ -84,13 +84,16 @@ def _tensorwise_cast(t, dtype, power_of_2):
 
 
 @pytest.mark.parametrize("casts", ["output", "grads", "both"])
+@pytest.mark.parametrize("inplace_backward", [False, True])
 @pytest.mark.parametrize("power_of_2", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "fused_halves"])
 @pytest.mark.parametrize("gate_name", GATES)
-def test_gated_fp8_casts_are_tensorwise_casts_of_the_16_bit_values(gate_name, layout, power_of_2, casts):
+def test_gated_fp8_casts_are_tensorwise_casts_of_the_16_bit_values(gate_name, layout, power_of_2,
+                                                                   inplace_backward, casts):
     # The gate's kernels cast its product (e4m3: the down projection's input) and its gradients
     # (e5m2: the gate and up projections' output gradients) as torchao casts the bf16 tensors the
-    # 16-bit gate gives: the same bytes and scales. What is not cast stays the 16-bit gate's.
+    # 16-bit gate gives: the same bytes and scales. What is not cast stays the 16-bit gate's. In
+    # place, the FP8 gradients are the incoming gradient's bytes, two per element.
     float8_training_tensor = pytest.importorskip("torchao.float8.float8_training_tensor")
     op = GATES[gate_name][0]
     shape = SHAPES[2]
@@ -106,8 +109,11 @@ def test_gated_fp8_casts_are_tensorwise_casts_of_the_16_bit_values(gate_name, la
 
     output_cast = None if casts == "grads" else fp8_cast(E4M3, roles.INPUT)
     grad_casts = None if casts == "output" else (fp8_cast(E5M2, roles.GRAD_OUTPUT),) * 2
-    out = gated_ops.gated_fp8(gate, up, gate_name, False, output_cast, grad_casts)
-    out_grads = torch.autograd.grad(out, (gate, up), dout)
+    out = gated_ops.gated_fp8(gate, up, gate_name, inplace_backward, output_cast, grad_casts)
+    incoming = dout.clone()
+    out_grads = torch.autograd.grad(out, (gate, up), incoming)
+    if inplace_backward and grad_casts is not None:
+        assert all(g._data.untyped_storage().data_ptr() == incoming.data_ptr() for g in out_grads)
     pairs = [(out, product, output_cast), *zip(out_grads, grads, grad_casts or (None, None))]
     for ours, value, cast in pairs:
         if cast is None:  # the 16-bit gate's

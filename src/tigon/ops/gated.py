@@ -166,7 +166,9 @@ def gated_bwd_kernel(
 ):
     """``d_gate`` and ``d_up``, per ``OUTPUT`` as :func:`gated_fwd_kernel`'s product: stored
     (``"store"``); rounded to the inputs' dtype, their largest magnitudes folded into ``SCALES
-    [2]`` (``"amax"``); or rounded, times ``SCALES [2]`` and stored as FP8 bytes (``"fp8"``)."""
+    [2]`` (``"amax"``); or rounded, times ``SCALES [2]`` and stored as FP8 bytes (``"fp8"``), or
+    as pairs of them over ``DOUT`` (``"fp8_pairs"``: ``DGATE`` is ``DOUT``'s bytes, and element
+    ``(r, c)`` of ``d_gate`` is the first byte of ``DOUT[r, c]``, ``d_up``'s the second)."""
     # DGATE and DUP may be GATE and UP themselves: every element is loaded before the stores
     # that depend on it, and tiles of different programs do not overlap. With STORE_OUT, the
     # forward's output act(gate)·up is recomputed over DOUT, by the same reasoning.
@@ -189,9 +191,14 @@ def gated_bwd_kernel(
             tl.atomic_max(SCALES + 1, _tile_amax(d_up))
         else:
             gate_code = saturated_fp8_code(d_gate, tl.load(SCALES), LIMIT, MANT_BITS, EXP_BIAS)
-            tl.store(DGATE + rows * stride_dgate + cols, gate_code, mask=mask)
             up_code = saturated_fp8_code(d_up, tl.load(SCALES + 1), LIMIT, MANT_BITS, EXP_BIAS)
-            tl.store(DUP + rows * stride_dup + cols, up_code, mask=mask)
+            if OUTPUT == "fp8":
+                tl.store(DGATE + rows * stride_dgate + cols, gate_code, mask=mask)
+                tl.store(DUP + rows * stride_dup + cols, up_code, mask=mask)
+            else:
+                pairs = DGATE + rows * stride_dgate + 2 * cols
+                tl.store(pairs, gate_code, mask=mask)
+                tl.store(pairs + 1, up_code, mask=mask)
     if STORE_OUT:
         tl.store(DOUT + rows * stride_dout + cols, (act * up).to(DOUT.dtype.element_ty), mask=mask)
 
@@ -360,19 +367,20 @@ def gated_fwd_fp8(
     return out, scale.reshape(())
 
 
-def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False, output="store", scales=None):
-    """:func:`gated_bwd_kernel` over ``[N, I]`` row views; with ``output="fp8"``, ``d_gate`` and
-    ``d_up`` are FP8 tensors of one dtype, written as their bytes."""
+def _launch_bwd(dout, gate, up, d_gate, d_up, activation, store_out=False, output="store", scales=None,
+                fp8_dtype=None):
+    """:func:`gated_bwd_kernel` over ``[N, I]`` row views; ``fp8_dtype`` is the format the
+    ``"fp8"`` and ``"fp8_pairs"`` outputs store (as bytes: ``d_gate`` and ``d_up`` are then byte
+    views)."""
     n_rows, n_cols = gate.shape
     grid, block_m, block_n, num_warps = _launch_config(n_rows, n_cols)
-    fp8 = output == "fp8"
     launch(
         gated_bwd_kernel, grid,
-        gate, up, dout, d_gate.view(torch.uint8) if fp8 else d_gate, d_up.view(torch.uint8) if fp8 else d_up, scales,
+        gate, up, dout, d_gate, d_up, scales,
         n_rows, n_cols,
         gate.stride(0), up.stride(0), dout.stride(0), d_gate.stride(0), d_up.stride(0),
         ACTIVATION=activation, STORE_OUT=store_out, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        OUTPUT=output, **(fp8_format(d_gate.dtype) if fp8 else {}),
+        OUTPUT=output, **(fp8_format(fp8_dtype) if fp8_dtype is not None else {}),
     )
 
 
@@ -411,11 +419,46 @@ def gated_bwd_fp8(
     ``dtype [N, I]`` (contiguous) and their scales ``[2]`` (fp32). Two reads of the inputs; the
     16-bit gradients are never stored."""
     d_gate, d_up = (gate.new_empty(gate.shape, dtype=dtype) for _ in range(2))
-    amax = gate.new_zeros(2, dtype=torch.float32)
-    _launch_bwd(dout, gate, up, d_gate, d_up, activation, output="amax", scales=amax)
-    scales, _ = fp8_scales(amax, torch.finfo(dtype).max, power_of_2)
-    _launch_bwd(dout, gate, up, d_gate, d_up, activation, output="fp8", scales=scales)
+    scales = _gated_bwd_fp8_scales(dout, gate, up, activation, dtype, power_of_2)
+    _launch_bwd(dout, gate, up, d_gate.view(torch.uint8), d_up.view(torch.uint8), activation, output="fp8",
+                scales=scales, fp8_dtype=dtype)
     return d_gate, d_up, scales
+
+
+def _gated_bwd_fp8_scales(dout, gate, up, activation, dtype, power_of_2):
+    """The scales ``[2]`` (fp32) of the tensorwise casts of ``d_gate`` and ``d_up``: one read of
+    the inputs for their largest magnitudes."""
+    amax = gate.new_zeros(2, dtype=torch.float32)
+    _launch_bwd(dout, gate, up, amax, amax, activation, output="amax", scales=amax)
+    scales, _ = fp8_scales(amax, torch.finfo(dtype).max, power_of_2)
+    return scales
+
+
+def _gated_bwd_fp8_inplace_fake(dout, gate, up, activation, dtype, power_of_2):
+    return gate.new_empty(2, dtype=torch.float32)
+
+
+@tigon_op("gated_bwd_fp8_inplace", fake=_gated_bwd_fp8_inplace_fake, mutates_args=("dout",))
+def gated_bwd_fp8_inplace(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, dtype: torch.dtype,
+    power_of_2: bool,
+) -> torch.Tensor:
+    """As :func:`gated_bwd_fp8`, but the two FP8 gradients overwrite ``dout`` (16-bit, rows that do
+    not overlap): element ``(r, c)`` of each takes one of ``dout[r, c]``'s two bytes, which the
+    same program has just read (:func:`fp8_pairs_of` gives them as tensors). Returns the scales
+    ``[2]``; nothing of ``[N, I]`` is allocated."""
+    scales = _gated_bwd_fp8_scales(dout, gate, up, activation, dtype, power_of_2)
+    pairs = dout.view(torch.uint8)
+    _launch_bwd(dout, gate, up, pairs, pairs, activation, output="fp8_pairs", scales=scales, fp8_dtype=dtype)
+    return scales
+
+
+def fp8_pairs_of(dout: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_gate, d_up)``, FP8 ``dtype [N, I]`` views (column stride 2) of the bytes
+    :func:`gated_bwd_fp8_inplace` wrote over ``dout [N, I]``. A matmul takes them through a
+    contiguous copy, which exists only while it runs."""
+    pairs = dout.view(dtype)
+    return pairs[:, 0::2], pairs[:, 1::2]
 
 
 def _gated_bwd_recompute_fake(dout, gate, up, activation, inplace):
@@ -583,7 +626,9 @@ class GatedFp8Function(torch.autograd.Function):
       torchao's own.
     - ``grad_casts``: ``d_gate`` and ``d_up`` (one FP8 dtype and scale rule) as the output gradients of the
       matmuls that made ``gate`` and ``up`` (:func:`gated_bwd_fp8`); the 16-bit gradients are never
-      stored, and ``gate`` and ``up`` are freed with this function's backward.
+      stored, and ``gate`` and ``up`` are freed with this function's backward. With
+      ``inplace_backward`` both are written over the incoming gradient
+      (:func:`gated_bwd_fp8_inplace`), which then holds them until their matmuls have run.
 
     ``None`` leaves that side in 16 bits. Saved: ``gate`` and ``up``, as :class:`GatedFunction`."""
 
@@ -605,9 +650,16 @@ class GatedFp8Function(torch.autograd.Function):
             return _gated_grads(ctx, dout)
         gate_rows, up_rows = ctx.saved_tensors
         gate_cast, up_cast = ctx.grad_casts
-        d_gate, d_up, scales = gated_bwd_fp8(
-            as_rows(dout), gate_rows, up_rows, ctx.activation, gate_cast.dtype, gate_cast.power_of_2,
-        )
+        dout_rows = as_rows(dout)
+        if ctx.inplace_backward and dout_rows.stride(0) >= dout_rows.shape[1]:
+            scales = gated_bwd_fp8_inplace(
+                dout_rows, gate_rows, up_rows, ctx.activation, gate_cast.dtype, gate_cast.power_of_2,
+            )
+            d_gate, d_up = fp8_pairs_of(dout_rows, gate_cast.dtype)
+        else:
+            d_gate, d_up, scales = gated_bwd_fp8(
+                dout_rows, gate_rows, up_rows, ctx.activation, gate_cast.dtype, gate_cast.power_of_2,
+            )
         return (
             gate_cast.wrap(d_gate.view(dout.shape), scales[0]) if ctx.needs_input_grad[0] else None,
             up_cast.wrap(d_up.view(dout.shape), scales[1]) if ctx.needs_input_grad[1] else None,
@@ -927,7 +979,9 @@ def geglu(gate, up, inplace_backward):
 
 def gated_fp8(gate, up, gate_kind, inplace_backward, output_cast, grad_casts):
     """``act(gate) · up`` (``gate_kind`` ``"swiglu"`` or ``"geglu"``) with its output, or its
-    gradients, or both, cast to FP8 with one scale a tensor (:class:`GatedFp8Function`)."""
+    gradients, or both, cast to FP8 with one scale a tensor (:class:`GatedFp8Function`). With
+    ``inplace_backward`` the backward writes over ``gate`` and ``up`` (16-bit gradients) or over
+    the incoming gradient (FP8 ones)."""
     return GatedFp8Function.apply(gate, up, GATE_KINDS[gate_kind], inplace_backward, output_cast, grad_casts)
 
 
