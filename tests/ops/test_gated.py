@@ -73,16 +73,6 @@ def test_inplace_backward_reuses_inputs(gate_name, layout):
     assert torch.equal(d_gate, expected[0]) and torch.equal(d_up, expected[1])
 
 
-def _tensorwise_cast(t, dtype, power_of_2):
-    """torchao's tensorwise cast of ``t``: its bytes (scaled by ``max(dtype) / amax``, computed in
-    fp64 and floored to a power of two where asked, saturated and rounded) and its scale."""
-    limit = torch.finfo(dtype).max
-    scale = (limit / t.detach().abs().amax().double()).float()
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return (t.detach().float() * scale).clamp(-limit, limit).to(dtype), scale
-
-
 @pytest.mark.parametrize("casts", ["output", "grads", "both"])
 @pytest.mark.parametrize("inplace_backward", [False, True])
 @pytest.mark.parametrize("power_of_2", [False, True])
@@ -119,7 +109,7 @@ def test_gated_fp8_casts_are_tensorwise_casts_of_the_16_bit_values(gate_name, la
         if cast is None:  # the 16-bit gate's
             assert type(ours) is torch.Tensor and torch.equal(ours, value)
             continue
-        want_data, want_scale = _tensorwise_cast(value, cast.dtype, power_of_2)
+        want_data, want_scale = reference.tensorwise_cast(value, cast.dtype, power_of_2)
         assert ours._gemm_input_role == cast.role and ours._linear_mm_config == mm_config
         assert ours._data.shape == shape and ours._scale.shape == ()
         assert torch.equal(ours._data.view(torch.uint8), want_data.view(torch.uint8))

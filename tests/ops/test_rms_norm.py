@@ -74,6 +74,41 @@ def test_rms_norm_frozen_weight_gets_no_grad():
     assert weight.grad is None and x.grad is not None
 
 
+@pytest.mark.parametrize("power_of_2", [False, True])
+@pytest.mark.parametrize(("casting_mode", "offset"), [("llama", 0.0), ("gemma", 1.0)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_fp8_is_the_tensorwise_cast_of_the_16_bit_output(shape, layout, casting_mode, offset, power_of_2):
+    # The norm's kernels cast its output to FP8 as torchao's tensorwise cast makes it from the
+    # 16-bit output: the same bytes and scale. That output is the one the saved rstd gives (equal
+    # to the 16-bit norm's but in a last bit, another compiled reduction on the GPU). The gradient
+    # arrives in 16 bits, and the backward is the 16-bit norm's.
+    float8_training_tensor = pytest.importorskip("torchao.float8.float8_training_tensor")
+    from tigon.ops.fp8 import E4M3, Fp8Cast
+
+    x = _x(shape, torch.bfloat16, layout)
+    weight = randn(shape[-1], dtype=torch.bfloat16, requires_grad=True)
+    data, rstd, scale = rms_norm_ops.rms_norm_fwd_fp8(x, weight, 1e-6, offset, casting_mode, E4M3, power_of_2)
+    _, rstd_16_bit = rms_norm_ops.rms_norm_fwd(x, weight, 1e-6, offset, casting_mode)
+    torch.testing.assert_close(rstd, rstd_16_bit, rtol=1e-6, atol=0)
+    x_hat = x.detach().float() * rstd.view(*shape[:-1], 1)
+    if casting_mode == "llama":
+        x_hat = x_hat.to(torch.bfloat16).float()
+    y = (x_hat * (weight.detach().float() + offset)).to(torch.bfloat16)
+    want_data, want_scale = reference.tensorwise_cast(y, E4M3, power_of_2)
+    assert data.shape == shape and torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+
+    cast = Fp8Cast(E4M3, power_of_2, torch.bfloat16, float8_training_tensor.LinearMMConfig(),
+                   float8_training_tensor.GemmInputRole.INPUT)
+    y8 = rms_norm_ops.rms_norm_fp8(x, weight, 1e-6, offset, casting_mode, cast)
+    assert isinstance(y8, float8_training_tensor.Float8TrainingTensor) and y8._gemm_input_role == cast.role
+    assert y8._orig_dtype == torch.bfloat16 and torch.equal(y8._data.view(torch.uint8), data.view(torch.uint8))
+    dy = torch.randn_like(y)
+    dx, dw = rms_norm_ops.rms_norm_bwd(dy, None, x.detach(), weight.detach(), rstd, offset, True)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(torch.autograd.grad(y8, (x, weight), dy), (dx, dw)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_add_rms_norm(shape, dtype):

@@ -72,14 +72,14 @@ def train(model, calls) -> tuple[list[float], list[int]]:
 def test_every_fp8_matmul_is_kept_and_the_losses_match_torchao(recipe, order, scaled_mm_calls):
     torchao_losses, torchao_calls = train(float8_model("torchao", recipe), scaled_mm_calls)
     model = float8_model(order, recipe)
-    down_proj_inputs = []
+    projection_inputs = []
     for layer in model.model.layers:
-        layer.mlp.down_proj.register_forward_pre_hook(
-            lambda module, args: down_proj_inputs.append(type(args[0]).__name__))
+        for projection in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
+            projection.register_forward_pre_hook(lambda module, args: projection_inputs.append(type(args[0]).__name__))
     losses, calls = train(model, scaled_mm_calls)
     assert model.lm_head.__class__.__name__ == "Float8Linear"
-    # The gate casts the down projection's input where its recipe scales it per tensor.
-    assert set(down_proj_inputs) == {"Float8TrainingTensor" if recipe == "tensorwise" else "Tensor"}
+    # The norms and the gate cast the projections' inputs where their recipe scales them per tensor.
+    assert set(projection_inputs) == {"Float8TrainingTensor" if recipe == "tensorwise" else "Tensor"}
     # The head's three matmuls are the fused loss's (one chunk here): the head's own forward, whose
     # logits are dropped, does not run.
     assert calls == torchao_calls, (calls, torchao_calls)
@@ -119,12 +119,51 @@ def test_the_gate_casts_the_down_projections_input_and_the_projections_gradients
     losses, _ = train(model, [])
     assert set(inputs) == {"Float8TrainingTensor"}
     assert torchao_casts == []
-    monkeypatch.setattr(layers, "float8_cast", lambda linear, operand: None)
+    monkeypatch.setattr(layers.TigonMLP, "_float8_casts", staticmethod(lambda *args: (None, None)))
     unfused_losses, _ = train(float8_model("float8_first", "tensorwise"), [])
     # Unfused, torchao casts the down projection's input (in forward, and again in backward) and
     # both projections' output gradients (twice each: one copy per matmul).
     assert sorted(set(torchao_casts)) == ["grad_output", "input"]
     assert losses == unfused_losses
+
+
+@pytest.mark.parametrize("order", ["tigon_first", "float8_first"])
+def test_the_norms_cast_their_outputs_for_the_projections_that_read_them(monkeypatch, order):
+    # Tensorwise, a decoder layer's two norms cast their outputs to FP8 in their kernels, once for
+    # all the projections that read them (q, k, v; gate, up): the bytes torchao casts from the
+    # 16-bit output (tests/ops/test_rms_norm.py), and torchao casts none of them. A projection of
+    # another kind (a LoRA adapter's) leaves its norm's output in 16 bits.
+    hidden = tiny_model("llama").config.hidden_size
+    torchao_casts = []
+
+    def recorded_cast(hp_tensor, *args, gemm_input_role, **kwargs):
+        if hp_tensor.shape[-1] == hidden and gemm_input_role.value == "input":
+            torchao_casts.append(hp_tensor.shape)
+        return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recorded_cast)
+    inputs = []
+    model = float8_model(order, "tensorwise")
+    for layer in model.model.layers:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
+            projection.register_forward_pre_hook(lambda module, args: inputs.append(type(args[0]).__name__))
+    losses, _ = train(model, [])
+    assert set(inputs) == {"Float8TrainingTensor"}
+    # Of width H, torchao casts only the output projection's input, once a layer in forward and once
+    # in its backward, in each of the forward's two runs (checkpointing recomputes it).
+    assert len(torchao_casts) == 3 * STEPS * len(model.model.layers)
+    lora_inputs = []
+    lora_model = float8_model(order, "tensorwise", lora=True)
+    for layer in lora_model.base_model.model.model.layers:
+        for projection in (layer.self_attn.k_proj, layer.mlp.up_proj):
+            projection.register_forward_pre_hook(lambda module, args: lora_inputs.append(type(args[0]).__name__))
+    train(lora_model, [])
+    # q and v carry adapters: their norm's output stays 16-bit; the MLP's is cast.
+    assert set(zip(lora_inputs[::2], lora_inputs[1::2])) == {("Tensor", "Float8TrainingTensor")}
+    monkeypatch.setattr(layers.TigonRMSNorm, "_float8_output_cast", lambda norm, x: None)
+    unfused_losses, _ = train(float8_model(order, "tensorwise"), [])
+    for ours, theirs in zip(losses, unfused_losses):
+        assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs), (losses, unfused_losses)
 
 
 def test_a_heads_own_forward_is_kept_and_skipped_in_training():

@@ -120,6 +120,12 @@ def fp8_code(y, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
 
 
 @triton.jit
+def tile_amax(values):
+    """The largest magnitude in a 2-D tile, in fp32."""
+    return tl.max(tl.max(tl.abs(values.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
 def saturated_fp8_code(x, scale, LIMIT: tl.constexpr, MANT_BITS: tl.constexpr, EXP_BIAS: tl.constexpr):
     """The FP8 byte of fp32 ``x · scale`` clamped to ``±LIMIT`` (the format's largest finite
     value), as torchao's saturated cast makes it."""

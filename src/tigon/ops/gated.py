@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops import lora as _lora
-from tigon.ops.fp8 import fp8_format, fp8_scales, saturated_fp8_code
+from tigon.ops.fp8 import fp8_format, fp8_scales, saturated_fp8_code, tile_amax
 from tigon.ops._launch import (
     as_rows,
     cdiv,
@@ -111,12 +111,6 @@ def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_amax(values):
-    """The largest magnitude in a 2-D tile, in fp32."""
-    return tl.max(tl.max(tl.abs(values.to(tl.float32)), axis=1), axis=0)
-
-
-@triton.jit
 def gate_activation(g, ACTIVATION: tl.constexpr):
     """``act(g)`` and ``act'(g)`` in fp32 (see the module docstring for the derivation)."""
     if ACTIVATION == "gelu_tanh":
@@ -147,7 +141,7 @@ def gated_fwd_kernel(
     act, _ = gate_activation(gate, ACTIVATION)
     out = (act * up).to(GATE.dtype.element_ty)
     if OUTPUT == "amax":
-        tl.atomic_max(SCALE, _tile_amax(out))
+        tl.atomic_max(SCALE, tile_amax(out))
     elif OUTPUT == "fp8":
         code = saturated_fp8_code(out.to(tl.float32), tl.load(SCALE), LIMIT, MANT_BITS, EXP_BIAS)
         tl.store(OUT + rows * stride_out + cols, code, mask=mask)
@@ -187,8 +181,8 @@ def gated_bwd_kernel(
         d_gate = d_gate.to(GATE.dtype.element_ty).to(tl.float32)
         d_up = d_up.to(GATE.dtype.element_ty).to(tl.float32)
         if OUTPUT == "amax":
-            tl.atomic_max(SCALES, _tile_amax(d_gate))
-            tl.atomic_max(SCALES + 1, _tile_amax(d_up))
+            tl.atomic_max(SCALES, tile_amax(d_gate))
+            tl.atomic_max(SCALES + 1, tile_amax(d_up))
         else:
             gate_code = saturated_fp8_code(d_gate, tl.load(SCALES), LIMIT, MANT_BITS, EXP_BIAS)
             up_code = saturated_fp8_code(d_up, tl.load(SCALES + 1), LIMIT, MANT_BITS, EXP_BIAS)

@@ -69,6 +69,7 @@ from tigon.ops._launch import (
     sum_partials,
     tigon_op,
 )
+from tigon.ops.fp8 import fp8_format, fp8_scales, saturated_fp8_code, tile_amax
 from tigon.ops.gated import gate_activation
 
 CASTING_MODES = ("llama", "gemma")
@@ -101,9 +102,14 @@ def rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, LLAMA_CASTING: tl.constexpr, ROUND_BEFORE_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    OUTPUT: tl.constexpr = "store", SCALE=None,
+    LIMIT: tl.constexpr = None, MANT_BITS: tl.constexpr = None, EXP_BIAS: tl.constexpr = None,
 ):
     # Program (i, g) normalises columns [g·n_cols, (g + 1)·n_cols) of row block i; n_cols is the
-    # group's width (the whole row without groups, when the grid's second axis is 1).
+    # group's width (the whole row without groups, when the grid's second axis is 1). OUTPUT as
+    # the gate's (gated_fwd_kernel): y stored ("store"), rounded to X's dtype and its largest
+    # magnitude folded into SCALE [1] ("amax"), or rounded, times SCALE and stored as FP8 bytes
+    # into Y ("fp8").
     group = tl.program_id(1)
     n_groups = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,19 +133,30 @@ def rms_norm_fwd_kernel(
         if not NORM_BEFORE_GATE:
             x = x * silu_gate  # unrounded: the eager modules multiply the fp32 upcasts
 
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    tl.store(RSTD + rows * n_groups + group, rstd, mask=row_mask)
+    if OUTPUT == "fp8":
+        # The amax pass's rstd: a recomputed one may differ in its last bit (another compiled
+        # reduction), and so may y, past the amax that scales it.
+        rstd = tl.load(RSTD + rows * n_groups + group, mask=row_mask, other=0.0)
+    else:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(RSTD + rows * n_groups + group, rstd, mask=row_mask)
     x_hat = x * rstd[:, None]
     if LLAMA_CASTING:
-        x_hat = x_hat.to(Y.dtype.element_ty).to(tl.float32)
+        x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
     if HAS_WEIGHT:
         w = tl.load(W + group_cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         x_hat = x_hat * w[None, :]
     if HAS_GATE and NORM_BEFORE_GATE:
         if ROUND_BEFORE_GATE:
-            x_hat = x_hat.to(Y.dtype.element_ty).to(tl.float32)
+            x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
         x_hat = x_hat * silu_gate
-    tl.store(Y + rows64 * stride_y + group_cols[None, :], x_hat.to(Y.dtype.element_ty), mask=mask)
+    y = x_hat.to(X.dtype.element_ty)
+    if OUTPUT == "amax":
+        tl.atomic_max(SCALE, tile_amax(y))
+    elif OUTPUT == "fp8":
+        y = saturated_fp8_code(y.to(tl.float32), tl.load(SCALE), LIMIT, MANT_BITS, EXP_BIAS)
+    if OUTPUT != "amax":
+        tl.store(Y + rows64 * stride_y + group_cols[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -217,14 +234,17 @@ def rms_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid * stride_dw + group_cols, dw_acc, mask=col_mask)
 
 
-def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, group_size, norm_before_gate, shape):
+def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, group_size, norm_before_gate, shape,
+                output="store", scale=None, fp8_dtype=None, rstd=None):
     """``y`` and, with a residual, the sum, both new and contiguous in ``shape`` (``x``'s), and
     ``rstd [N · groups]``, from ``[N, H]`` row views (unit column stride); the sum is ``None``
-    without a residual."""
+    without a residual. ``output`` as :func:`rms_norm_fwd_kernel`'s: with ``"amax"`` ``y`` is
+    ``None``, with ``"fp8"`` it holds ``fp8_dtype``'s bytes (uint8) and ``rstd`` is the amax pass's."""
     n_rows, n_cols = x2d.shape
     n_groups = n_cols // group_size
-    y = x2d.new_empty(shape)
-    rstd = x2d.new_empty(n_rows * n_groups, dtype=torch.float32)
+    y = None if output == "amax" else x2d.new_empty(shape, dtype=torch.uint8 if output == "fp8" else x2d.dtype)
+    if rstd is None:
+        rstd = x2d.new_empty(n_rows * n_groups, dtype=torch.float32)
     sum_out = x2d.new_empty(shape) if residual2d is not None else None
     block_m, block_n, num_warps = _fwd_geometry(group_size, x2d.element_size())
     launch(
@@ -237,6 +257,7 @@ def _launch_fwd(x2d, residual2d, gate2d, weight, eps, offset, casting_mode, grou
         HAS_WEIGHT=weight is not None, LLAMA_CASTING=casting_mode == "llama",
         ROUND_BEFORE_GATE=_rounds_before_gate(x2d, weight, casting_mode),
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        OUTPUT=output, SCALE=scale, **(fp8_format(fp8_dtype) if fp8_dtype is not None else {}),
     )
     return y, sum_out, rstd
 
@@ -338,6 +359,35 @@ def rms_norm_fwd(
     x2d = as_rows(x)
     y, _, rstd = _launch_fwd(x2d, None, None, weight, eps, offset, casting_mode, x2d.shape[1], True, x.shape)
     return y, rstd
+
+
+def _fwd_fp8_fake(x, weight, eps, offset, casting_mode, dtype, power_of_2):
+    return x.new_empty(x.shape, dtype=dtype), _stats_fake(x), x.new_empty((), dtype=torch.float32)
+
+
+@tigon_op("rms_norm_fwd_fp8", fake=_fwd_fp8_fake)
+def rms_norm_fwd_fp8(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str,
+    dtype: torch.dtype, power_of_2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`rms_norm_fwd`, ``y`` cast as torchao's tensorwise cast makes it from the 16-bit
+    ``y``: FP8 ``dtype [..., H]`` (contiguous) times ``scale = max(dtype) / amax`` over the whole
+    tensor (fp64, floored to a power of two with ``power_of_2``); returns it, ``rstd [N]`` fp32
+    and ``scale`` (fp32, 0-d). Two reads of ``x`` (the amax and ``rstd``, then the cast); the
+    16-bit ``y`` is never stored. ``y`` is the one ``rstd`` gives, which may differ from
+    :func:`rms_norm_fwd`'s in the last bit of a row's ``rstd`` (another compiled reduction)."""
+    x2d = as_rows(x)
+    n_cols = x2d.shape[1]
+    amax = x2d.new_zeros(1, dtype=torch.float32)
+    _, _, rstd = _launch_fwd(
+        x2d, None, None, weight, eps, offset, casting_mode, n_cols, True, x.shape, output="amax", scale=amax,
+    )
+    scale, _ = fp8_scales(amax, torch.finfo(dtype).max, power_of_2)
+    y, _, _ = _launch_fwd(
+        x2d, None, None, weight, eps, offset, casting_mode, n_cols, True, x.shape, output="fp8", scale=scale,
+        fp8_dtype=dtype, rstd=rstd,
+    )
+    return y.view(dtype), rstd, scale.reshape(())
 
 
 def _fused_add_fwd_fake(x, residual, weight, eps, offset, casting_mode):
@@ -443,6 +493,29 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dx if ctx.has_residual else None, dw if weight_requires_grad else None, None, None, None
 
 
+@torch._dynamo.allow_in_graph
+class RMSNormFp8Function(torch.autograd.Function):
+    """:class:`RMSNormFunction` (no residual) whose output is the FP8 input of the matmuls that
+    take it, cast in its kernels as ``cast`` (a :class:`tigon.ops.fp8.Fp8Cast`) says
+    (:func:`rms_norm_fwd_fp8`); the 16-bit output is never stored. Its gradient arrives in 16
+    bits, as through torchao's own cast, and the backward is :class:`RMSNormFunction`'s. Whole in
+    torch.compile's graph, as :class:`tigon.ops.gated.GatedFp8Function` (for the same reason)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, cast):
+        data, rstd, scale = rms_norm_fwd_fp8(x, weight, eps, offset, casting_mode, cast.dtype, cast.power_of_2)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return cast.wrap(data, scale)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        weight_requires_grad = weight is not None and ctx.needs_input_grad[1]
+        dx, dw = rms_norm_bwd(dy, None, x, weight, rstd, ctx.offset, weight_requires_grad)
+        return dx, dw if weight_requires_grad else None, None, None, None, None
+
+
 class RMSNormGatedFunction(torch.autograd.Function):
     """Saves ``x``, ``gate`` and ``rstd``; the normalised row and ``silu(gate)`` are recomputed in
     backward."""
@@ -470,6 +543,13 @@ class RMSNormGatedFunction(torch.autograd.Function):
 def rms_norm(x, weight, eps, offset, casting_mode):
     """``x [..., H]`` → ``y [..., H]``; inputs validated by :mod:`tigon.functional`."""
     return RMSNormFunction.apply(x, None, weight, eps, offset, casting_mode)
+
+
+def rms_norm_fp8(x, weight, eps, offset, casting_mode, cast):
+    """``x [..., H]`` → ``y [..., H]`` as the FP8 tensor ``cast`` describes, for the matmuls that
+    take it (:class:`RMSNormFp8Function`); ``eps``, ``offset`` and ``casting_mode`` as
+    :func:`tigon.functional.rms_norm` validates them."""
+    return RMSNormFp8Function.apply(x, weight, eps, offset, casting_mode, cast)
 
 
 def fused_add_rms_norm(x, residual, weight, eps, offset, casting_mode):

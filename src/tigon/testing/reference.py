@@ -349,6 +349,18 @@ def fake_quantize(t, dtype, dim=None, power_of_2=False):
     return (t * scale).to(dtype).float() / scale
 
 
+def tensorwise_cast(t, dtype, power_of_2=False):
+    """torchao's dynamic tensorwise cast of ``t`` to FP8 ``dtype``: ``(data, scale)``, the bytes of
+    ``t · scale`` saturated to the format's range, with ``scale = max(dtype) / amax`` computed in
+    fp64 (the amax floored at 1e-12), rounded to fp32 and, with ``power_of_2``, floored to a power
+    of two."""
+    limit = torch.finfo(dtype).max
+    scale = (limit / t.detach().abs().amax().double().clamp(min=1e-12)).float()
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t.detach().float() * scale).clamp(-limit, limit).to(dtype), scale
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``x @ Wᵀ`` with each of its three matmuls on fake-quantized operands, as ``recipe`` scales
     them (see :data:`FP8_RECIPES`), in fp32."""

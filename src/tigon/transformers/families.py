@@ -118,6 +118,30 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class NormInput:
+    """A decoder layer's norm whose output only some projections of one sibling module read: the
+    norm may then hand them the FP8 tensor they take (``TigonRMSNorm``, under torchao's float8).
+
+    Attributes:
+        norm: the norm's attribute in the layer.
+        module: the attribute of the module that holds the projections.
+        projections: the projections' attributes in that module.
+    """
+
+    norm: str
+    module: str
+    projections: tuple[str, ...]
+
+
+# A pre-norm decoder layer: its first norm feeds the attention's q, k and v projections alone,
+# its second the MLP's gate and up projections.
+PRE_NORM_INPUTS = (
+    NormInput("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")),
+    NormInput("post_attention_layernorm", "mlp", ("gate_proj", "up_proj")),
+)
+
+
+@dataclass(frozen=True)
 class Family:
     """Where a family's layers live, and its loss settings.
 
@@ -132,6 +156,7 @@ class Family:
         logit_multiplier: text-config field the logits are multiplied by (Falcon-H1, MuseGlimmer).
         aux_loss_coef: text-config field weighting the MoE router loss, which the head's forward
             adds to the loss when labels are given.
+        norm_inputs: the norms whose readers the decoder layer's code fixes (:class:`NormInput`).
     """
 
     model_type: str
@@ -145,6 +170,7 @@ class Family:
     logit_divisor: str | None = None
     logit_multiplier: str | None = None
     aux_loss_coef: str | None = None
+    norm_inputs: tuple[NormInput, ...] = ()
 
     def sub_rows(self):
         return (*self.norms, *self.mlps, *self.ropes, *self.experts)
@@ -155,7 +181,9 @@ def _module(package: str, name: str | None = None) -> str:
 
 
 def _llama_like(model_type, prefix, head="ForCausalLM", package=None, **settings):
-    """The commonest row: ``<Prefix>RMSNorm``, ``<Prefix>MLP`` and the rotate-half RoPE."""
+    """The commonest row: ``<Prefix>RMSNorm``, ``<Prefix>MLP``, the rotate-half RoPE and
+    pre-norm decoder layers."""
+    settings.setdefault("norm_inputs", PRE_NORM_INPUTS)
     return Family(
         model_type, _module(package or model_type), f"{prefix}{head}",
         norms=(Norm(f"{prefix}RMSNorm"),), mlps=(Mlp(f"{prefix}MLP"),), **settings,
@@ -186,7 +214,8 @@ FAMILIES: dict[str, Family] = {
         _llama_like("ministral", "Ministral"),
         _llama_like("qwen2", "Qwen2"),
         _llama_like("qwen3", "Qwen3"),
-        _llama_like("exaone4", "Exaone4"),
+        # EXAONE 4 normalises the attention's and the MLP's outputs (post-norm layers).
+        _llama_like("exaone4", "Exaone4", norm_inputs=()),
         _llama_like("smollm3", "SmolLM3"),
         _llama_like("hunyuan_v1_dense", "HunYuanDenseV1"),
         _llama_like("granite", "Granite", logit_divisor="logits_scaling"),

@@ -19,6 +19,7 @@ from transformers.activations import ACT2FN
 from tigon import functional as F
 from tigon.ops.fp8 import FORMATS, Fp8Cast
 from tigon.ops.gated import auto_tile_rows, gated_fp8
+from tigon.ops.rms_norm import rms_norm_fp8
 from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
@@ -80,10 +81,29 @@ class TigonRMSNorm:
     eps_attribute = "variance_epsilon"
     offset = 0.0
     casting_mode = "llama"
+    # (decoder layer, NormInput) where the family's table names the projections that alone read
+    # this norm's output (link_norm_inputs).
+    norm_input_of = None
 
     def forward(self, hidden_states):
         eps = getattr(self, self.eps_attribute)
-        return F.rms_norm(hidden_states, getattr(self, "weight", None), eps, self.offset, self.casting_mode)
+        weight = getattr(self, "weight", None)
+        cast = self._float8_output_cast(hidden_states)
+        if cast is not None:
+            return rms_norm_fp8(hidden_states, weight, float(eps), self.offset, self.casting_mode, cast)
+        return F.rms_norm(hidden_states, weight, eps, self.offset, self.casting_mode)
+
+    def _float8_output_cast(self, x) -> Fp8Cast | None:
+        """The FP8 cast (:func:`float8_cast`) in which every projection reading this norm's output
+        takes it, when they all are torchao ``Float8Linear`` layers of one tensorwise input cast:
+        the norm's kernels then make it, and the 16-bit output is never stored. ``None`` otherwise,
+        on a DTensor or under autocast."""
+        if self.norm_input_of is None or isinstance(x, DTensor) or torch.is_autocast_enabled(x.device.type):
+            return None
+        layer, norm_input = self.norm_input_of
+        readers = getattr(layer, norm_input.module, None)
+        casts = [float8_cast(getattr(readers, name, None), "input") for name in norm_input.projections]
+        return casts[0] if casts[0] is not None and all(cast == casts[0] for cast in casts) else None
 
 
 class TigonGatedRMSNorm(TigonRMSNorm):
@@ -272,6 +292,18 @@ def follow_gradient_checkpointing(model) -> None:
     for module in model.modules():
         if isinstance(module, TigonMLP):
             module.gradient_checkpointing, module._gradient_checkpointing_func = True, checkpoint
+
+
+def link_norm_inputs(model, rows) -> None:
+    """Give each patched RMSNorm of ``model`` that a family's table lists (``Family.norm_inputs``)
+    its decoder layer and row, through which it finds the projections that read its output.
+    ``rows``: ``(tigon norm classes of a family, its NormInputs)``."""
+    for layer in model.modules():
+        for norm_classes, norm_inputs in rows:
+            for norm_input in norm_inputs:
+                norm = getattr(layer, norm_input.norm, None)
+                if type(norm) in norm_classes and isinstance(norm, TigonRMSNorm):
+                    norm.norm_input_of = (layer, norm_input)
 
 
 def check_tile_tokens(tile_tokens) -> None:

@@ -277,9 +277,12 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
     tigon_of = {}
     rope_patches = []
     experts_classes = []
+    norm_inputs = []
     for row_family in families_in(model, family):
         module = modeling_module(row_family)
-        tigon_of.update((original, tigon) for _, original, tigon in _class_patches(row_family, module, flags))
+        class_patches = _class_patches(row_family, module, flags)
+        tigon_of.update((original, tigon) for _, original, tigon in class_patches)
+        norm_inputs.append(({tigon for _, _, tigon in class_patches}, row_family.norm_inputs))
         rope_patches += [(module, name, function) for name, function in _rope_patches(row_family, module, flags)]
         experts_classes += _experts_classes(row_family, module, flags)
     changes = [(layer, tigon_of[type(layer)]) for layer in model.modules() if type(layer) in tigon_of]
@@ -297,6 +300,7 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
     for layer in experts:
         moe.use_tigon_experts(layer)
     layers.follow_gradient_checkpointing(model)
+    layers.link_norm_inputs(model, norm_inputs)
     return {module.__name__ for module, _, _ in rope_patches}
 
 
@@ -312,6 +316,7 @@ def unpatch_layers(model: nn.Module) -> None:
                 vars(layer).pop("gradient_checkpointing", None)
                 vars(layer).pop("_gradient_checkpointing_func", None)
                 vars(layer).pop("tile_tokens", None)
+                vars(layer).pop("norm_input_of", None)
         moe.restore_experts(layer)
         unhook_head_loss(layer)
 
