@@ -116,6 +116,25 @@ def test_gated_fp8_casts_are_tensorwise_casts_of_the_16_bit_values(gate_name, la
         assert torch.equal(ours._scale, want_scale)
 
 
+def test_gated_fp8_gradients_of_a_32_bit_gate_are_new_tensors():
+    # Two FP8 bytes fit in a 16-bit gradient's element, not in a 32-bit one's half: there the
+    # backward writes new tensors, whatever inplace_backward says.
+    float8_training_tensor = pytest.importorskip("torchao.float8.float8_training_tensor")
+    gate, up = _inputs(SHAPES[0], torch.float32, "contiguous")
+    dout = randn(*SHAPES[0], dtype=torch.float32)
+    grads = torch.autograd.grad(gated_ops.gated_fp8(gate, up, "swiglu", False, None, None), (gate, up), dout)
+    cast = Fp8Cast(E5M2, False, torch.float32, float8_training_tensor.LinearMMConfig(),
+                   float8_training_tensor.GemmInputRole.GRAD_OUTPUT)
+    incoming = dout.clone()
+    out = gated_ops.gated_fp8(gate, up, "swiglu", True, None, (cast, cast))
+    out_grads = torch.autograd.grad(out, (gate, up), incoming)
+    assert torch.equal(incoming, dout)
+    for ours, value in zip(out_grads, grads):
+        want_data, want_scale = reference.tensorwise_cast(value, E5M2)
+        assert torch.equal(ours._data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(ours._scale, want_scale)
+
+
 def test_inplace_backward_cannot_run_twice():
     gate, up = _inputs(SHAPES[0], torch.float32, "contiguous")
     out = tf.swiglu(gate, up, inplace_backward=True)

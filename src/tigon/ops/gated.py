@@ -645,7 +645,8 @@ class GatedFp8Function(torch.autograd.Function):
         gate_rows, up_rows = ctx.saved_tensors
         gate_cast, up_cast = ctx.grad_casts
         dout_rows = as_rows(dout)
-        if ctx.inplace_backward and dout_rows.stride(0) >= dout_rows.shape[1]:
+        # Two FP8 bytes fit in each element of a 16-bit gradient whose rows do not overlap.
+        if ctx.inplace_backward and dout_rows.element_size() == 2 and dout_rows.stride(0) >= dout_rows.shape[1]:
             scales = gated_bwd_fp8_inplace(
                 dout_rows, gate_rows, up_rows, ctx.activation, gate_cast.dtype, gate_cast.power_of_2,
             )
