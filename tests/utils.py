@@ -139,6 +139,16 @@ def assert_close(actual: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype, 
     assert error <= limit, f"{what}: relative error {error:.3g} > {limit:.3g} ({dtype})"
 
 
+def assert_tensorwise_cast(data: torch.Tensor, scale: torch.Tensor, value: torch.Tensor, power_of_2: bool = False):
+    """``data`` (FP8) and ``scale`` are torchao's tensorwise cast of ``value`` to ``data``'s
+    dtype, byte for byte."""
+    from tigon.testing import reference
+
+    want_data, want_scale = reference.tensorwise_cast(value, data.dtype, power_of_2)
+    assert data.shape == value.shape and torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+
+
 def randn(*shape, dtype=torch.float32, requires_grad=False, scale=1.0):
     t = (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale).to(dtype)
     return t.requires_grad_(requires_grad)

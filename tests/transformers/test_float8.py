@@ -63,6 +63,28 @@ def train(model, calls) -> tuple[list[float], list[int]]:
     return losses, per_step
 
 
+def input_types(projections) -> list[str]:
+    """The type names of the inputs ``projections`` are called with, appended as they run."""
+    types = []
+    for projection in projections:
+        projection.register_forward_pre_hook(lambda module, args: types.append(type(args[0]).__name__))
+    return types
+
+
+def torchao_casts(monkeypatch, width: int, roles: tuple[str, ...]) -> list[str]:
+    """The roles of torchao's dynamic casts of tensors ``width`` wide in one of ``roles``, appended
+    as they run."""
+    casts = []
+
+    def recorded_cast(hp_tensor, *args, gemm_input_role, **kwargs):
+        if hp_tensor.shape[-1] == width and gemm_input_role.value in roles:
+            casts.append(gemm_input_role.value)
+        return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recorded_cast)
+    return casts
+
+
 # Each recipe once, the orders alternating (either order gives the same model: a test of both
 # orders is one of each recipe's).
 @pytest.mark.parametrize(("recipe", "order"), [
@@ -72,10 +94,8 @@ def train(model, calls) -> tuple[list[float], list[int]]:
 def test_every_fp8_matmul_is_kept_and_the_losses_match_torchao(recipe, order, scaled_mm_calls):
     torchao_losses, torchao_calls = train(float8_model("torchao", recipe), scaled_mm_calls)
     model = float8_model(order, recipe)
-    projection_inputs = []
-    for layer in model.model.layers:
-        for projection in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
-            projection.register_forward_pre_hook(lambda module, args: projection_inputs.append(type(args[0]).__name__))
+    projection_inputs = input_types(
+        p for layer in model.model.layers for p in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.down_proj))
     losses, calls = train(model, scaled_mm_calls)
     assert model.lm_head.__class__.__name__ == "Float8Linear"
     # The norms and the gate cast the projections' inputs where their recipe scales them per tensor.
@@ -103,27 +123,17 @@ def test_the_gate_casts_the_down_projections_input_and_the_projections_gradients
     # gradients (the gate and up projections' output gradients). torchao takes those as cast, and
     # they are the same bytes as its own casts, so the losses are the same, bit for bit. (A
     # rowwise recipe, scaled per row and per column, stays torchao's to cast: the recipes' test.)
-    intermediate = tiny_model("llama").config.intermediate_size
-    torchao_casts = []
-
-    def recorded_cast(hp_tensor, *args, gemm_input_role, **kwargs):
-        if hp_tensor.shape[-1] == intermediate and gemm_input_role.value != "weight":
-            torchao_casts.append(gemm_input_role.value)
-        return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
-
-    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recorded_cast)
-    inputs = []
+    casts = torchao_casts(monkeypatch, tiny_model("llama").config.intermediate_size, ("input", "grad_output"))
     model = float8_model("float8_first", "tensorwise")
-    for layer in model.model.layers:
-        layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: inputs.append(type(args[0]).__name__))
+    inputs = input_types(layer.mlp.down_proj for layer in model.model.layers)
     losses, _ = train(model, [])
     assert set(inputs) == {"Float8TrainingTensor"}
-    assert torchao_casts == []
+    assert casts == []
     monkeypatch.setattr(layers.TigonMLP, "_float8_casts", staticmethod(lambda *args: (None, None)))
     unfused_losses, _ = train(float8_model("float8_first", "tensorwise"), [])
     # Unfused, torchao casts the down projection's input (in forward, and again in backward) and
     # both projections' output gradients (twice each: one copy per matmul).
-    assert sorted(set(torchao_casts)) == ["grad_output", "input"]
+    assert sorted(set(casts)) == ["grad_output", "input"]
     assert losses == unfused_losses
 
 
@@ -133,30 +143,18 @@ def test_the_norms_cast_their_outputs_for_the_projections_that_read_them(monkeyp
     # 16-bit output (tests/ops/test_rms_norm.py), and torchao casts none of them. A projection of
     # another kind (a LoRA adapter's) leaves its norm's output in 16 bits. (The recipes' test
     # sees the casts in the other order.)
-    hidden = tiny_model("llama").config.hidden_size
-    torchao_casts = []
-
-    def recorded_cast(hp_tensor, *args, gemm_input_role, **kwargs):
-        if hp_tensor.shape[-1] == hidden and gemm_input_role.value == "input":
-            torchao_casts.append(hp_tensor.shape)
-        return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
-
-    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recorded_cast)
-    inputs = []
+    casts = torchao_casts(monkeypatch, tiny_model("llama").config.hidden_size, ("input",))
     model = float8_model("float8_first", "tensorwise")
-    for layer in model.model.layers:
-        for projection in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
-            projection.register_forward_pre_hook(lambda module, args: inputs.append(type(args[0]).__name__))
+    inputs = input_types(
+        p for layer in model.model.layers for p in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj))
     losses, _ = train(model, [])
     assert set(inputs) == {"Float8TrainingTensor"}
     # Of width H, torchao casts only the output projection's input, once a layer in forward and once
     # in its backward, in each of the forward's two runs (checkpointing recomputes it).
-    assert len(torchao_casts) == 3 * STEPS * len(model.model.layers)
-    lora_inputs = []
+    assert len(casts) == 3 * STEPS * len(model.model.layers)
     lora_model = float8_model("float8_first", "tensorwise", lora=True)
-    for layer in lora_model.base_model.model.model.layers:
-        for projection in (layer.self_attn.k_proj, layer.mlp.up_proj):
-            projection.register_forward_pre_hook(lambda module, args: lora_inputs.append(type(args[0]).__name__))
+    lora_inputs = input_types(
+        p for layer in lora_model.base_model.model.model.layers for p in (layer.self_attn.k_proj, layer.mlp.up_proj))
     train(lora_model, [])
     # q and v carry adapters: their norm's output stays 16-bit; the MLP's is cast.
     assert set(zip(lora_inputs[::2], lora_inputs[1::2])) == {("Tensor", "Float8TrainingTensor")}

@@ -338,27 +338,28 @@ FP8_RECIPES = {
 }
 
 
+def _fp8_scale(amax, dtype, power_of_2):
+    """torchao's scale ``max(dtype) / amax``: computed in fp64 (the amax floored at 1e-12), rounded
+    to fp32 and, with ``power_of_2``, floored to a power of two."""
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
+
+
 def fake_quantize(t, dtype, dim=None, power_of_2=False):
     """``t`` rounded to FP8 ``dtype`` and back, in fp32: scaled by ``max(dtype) / amax`` over the
     whole tensor (``dim`` ``None``) or over ``dim`` (one scale per slice along the other)."""
     t = t.float()
-    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
-    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = _fp8_scale(t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True), dtype, power_of_2)
     return (t * scale).to(dtype).float() / scale
 
 
 def tensorwise_cast(t, dtype, power_of_2=False):
     """torchao's dynamic tensorwise cast of ``t`` to FP8 ``dtype``: ``(data, scale)``, the bytes of
-    ``t · scale`` saturated to the format's range, with ``scale = max(dtype) / amax`` computed in
-    fp64 (the amax floored at 1e-12), rounded to fp32 and, with ``power_of_2``, floored to a power
-    of two."""
+    ``t · scale`` saturated to the format's range (:func:`_fp8_scale`, over the whole tensor)."""
+    t = t.detach().float()
     limit = torch.finfo(dtype).max
-    scale = (limit / t.detach().abs().amax().double().clamp(min=1e-12)).float()
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return (t.detach().float() * scale).clamp(-limit, limit).to(dtype), scale
+    scale = _fp8_scale(t.abs().amax(), dtype, power_of_2)
+    return (t * scale).clamp(-limit, limit).to(dtype), scale
 
 
 class _Fp8Linear(torch.autograd.Function):

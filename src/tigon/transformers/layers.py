@@ -69,6 +69,12 @@ def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
     return Fp8Cast(dtype, config.round_scales_to_power_of_2, linear.weight.dtype, linear.linear_mm_config, role)
 
 
+def kernels_may_cast(x: torch.Tensor) -> bool:
+    """Whether tigon's kernels may cast their outputs (or gradients) to FP8 for torchao's
+    matmuls: not on a DTensor (a tensor-parallel plan's) nor under autocast."""
+    return not isinstance(x, DTensor) and not torch.is_autocast_enabled(x.device.type)
+
+
 class TigonRMSNorm:
     """``forward`` of a Hugging Face RMSNorm (``weight [H]``, or none) by
     :func:`tigon.functional.rms_norm`.
@@ -96,9 +102,9 @@ class TigonRMSNorm:
     def _float8_output_cast(self, x) -> Fp8Cast | None:
         """The FP8 cast (:func:`float8_cast`) in which every projection reading this norm's output
         takes it, when they all are torchao ``Float8Linear`` layers of one tensorwise input cast:
-        the norm's kernels then make it, and the 16-bit output is never stored. ``None`` otherwise,
-        on a DTensor or under autocast."""
-        if self.norm_input_of is None or isinstance(x, DTensor) or torch.is_autocast_enabled(x.device.type):
+        the norm's kernels then make it, and the 16-bit output is never stored. ``None`` otherwise
+        (and where :func:`kernels_may_cast` says no)."""
+        if self.norm_input_of is None or not kernels_may_cast(x):
             return None
         layer, norm_input = self.norm_input_of
         readers = getattr(layer, norm_input.module, None)
@@ -170,13 +176,13 @@ class TigonMLP:
         """The FP8 casts the gate makes around torchao's tensorwise ``Float8Linear`` layers
         (:func:`float8_cast`): of its output, for ``down_proj``'s input, and of its two gradients,
         for ``gate_proj``'s and ``up_proj``'s output gradients (both or neither, in one dtype and
-        scale rule). None of them on a DTensor (a tensor-parallel plan's) or under autocast."""
-        if isinstance(gate, DTensor) or torch.is_autocast_enabled(gate.device.type):
+        scale rule). None of them where :func:`kernels_may_cast` says no."""
+        if not kernels_may_cast(gate):
             return None, None
-        grad_casts = (float8_cast(gate_proj, "grad_output"), float8_cast(up_proj, "grad_output"))
-        if None in grad_casts or len({(cast.dtype, cast.power_of_2) for cast in grad_casts}) != 1:
-            grad_casts = None
-        return float8_cast(down_proj, "input"), grad_casts
+        gate_cast, up_cast = float8_cast(gate_proj, "grad_output"), float8_cast(up_proj, "grad_output")
+        one_rule = gate_cast is not None and up_cast is not None and (
+            (gate_cast.dtype, gate_cast.power_of_2) == (up_cast.dtype, up_cast.power_of_2))
+        return float8_cast(down_proj, "input"), (gate_cast, up_cast) if one_rule else None
 
     def _gated(self, gate, up, casts):
         """The gate over the projections' outputs, with its FP8 ``casts`` (:meth:`_float8_casts`):
