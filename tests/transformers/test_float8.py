@@ -23,7 +23,7 @@ from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # n
 from torch._dynamo.utils import counters  # noqa: E402
 
 from tigon.ops import gated  # noqa: E402
-from tigon.transformers import apply_tigon, layers  # noqa: E402
+from tigon.transformers import apply_tigon, float8, layers  # noqa: E402
 from tiny_models import tiny_batch, tiny_model  # noqa: E402
 
 STEPS = 3
@@ -228,15 +228,50 @@ def test_the_gate_casts_for_one_fp8_dtype_and_one_scale_only():
         return convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False)), config=config)[0]
 
     tensorwise = converted(Float8LinearConfig.from_recipe_name("tensorwise"))
-    assert layers.float8_cast(tensorwise, "input").dtype == torch.float8_e4m3fn
-    assert layers.float8_cast(tensorwise, "grad_output").dtype == torch.float8_e5m2
+    assert float8.float8_cast(tensorwise, "input").dtype == torch.float8_e4m3fn
+    assert float8.float8_cast(tensorwise, "grad_output").dtype == torch.float8_e5m2
     rowwise = converted(Float8LinearConfig.from_recipe_name("rowwise"))
-    assert layers.float8_cast(rowwise, "input") is None and layers.float8_cast(rowwise, "grad_output") is None
+    assert float8.float8_cast(rowwise, "input") is None and float8.float8_cast(rowwise, "grad_output") is None
     # The weight gradient's matmul in high precision: its operands are not cast at all.
     high_precision_grad_weight = converted(Float8LinearConfig(
         cast_config_input_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
         cast_config_grad_output_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
     ))
-    assert layers.float8_cast(high_precision_grad_weight, "input") is None
-    assert layers.float8_cast(high_precision_grad_weight, "grad_output") is None
-    assert layers.float8_cast(torch.nn.Linear(32, 32), "input") is None
+    assert float8.float8_cast(high_precision_grad_weight, "input") is None
+    assert float8.float8_cast(high_precision_grad_weight, "grad_output") is None
+    assert float8.float8_cast(torch.nn.Linear(32, 32), "input") is None
+
+
+def test_the_down_projection_computes_its_weight_gradient_first_to_torchaos_bits(monkeypatch):
+    # Over the gate's FP8 product, the down projection's backward computes the weight gradient
+    # before the input's (whose tensor is the widest of the MLP's backward), from one cast of the
+    # output gradient: the gradients are torchao's own, bit for bit.
+    linear = convert_to_float8_training(
+        torch.nn.Sequential(torch.nn.Linear(96, 40, bias=False)), config=Float8LinearConfig.from_recipe_name("tensorwise"),
+    )[0].to(torch.bfloat16)
+    x = torch.randn(2, 37, 96, dtype=torch.bfloat16)
+    grad_output = torch.randn(2, 37, 40, dtype=torch.bfloat16)
+    matmuls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, *args, **kwargs: (
+        matmuls.append((tuple(a.shape), tuple(b.shape))), scaled_mm(a, b, *args, **kwargs))[1])
+
+    def gradients(projection):
+        linear.weight.grad = None
+        x_leaf = x.clone().requires_grad_()
+        x8 = hp_tensor_to_float8_dynamic(x_leaf, torch.float8_e4m3fn, linear.linear_mm_config)
+        output = projection(linear, x8)
+        output.backward(grad_output)
+        return output, x_leaf.grad, linear.weight.grad
+
+    theirs = gradients(lambda module, x8: module(x8))
+    del matmuls[:]
+    ours = gradients(float8.float8_down_projection)
+    for mine, torchaos in zip(ours, theirs):
+        assert torch.equal(mine, torchaos)
+    # Forward; then the weight gradient ([out, tokens] @ [tokens, in]), then the input's.
+    assert matmuls == [((74, 96), (96, 40)), ((40, 74), (74, 96)), ((74, 40), (40, 96))], matmuls
+    # A hooked projection (an FSDP2 shard's) is called as a module, its hooks and all.
+    calls = []
+    linear.register_forward_pre_hook(lambda module, args: calls.append(module))
+    assert torch.equal(gradients(float8.float8_down_projection)[2], theirs[2]) and calls == [linear]

@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tigon import functional as F
 from tigon.transformers.families import Family
-from tigon.transformers.layers import is_float8_linear
+from tigon.transformers.float8 import is_float8_linear
 
 
 def _extra_kwargs(signature: inspect.Signature) -> str | None:

@@ -9,17 +9,16 @@ attributes filled in from the family's row of :data:`tigon.transformers.families
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch.distributed.tensor import DTensor
 
 from transformers.activations import ACT2FN
 
 from tigon import functional as F
-from tigon.ops.fp8 import FORMATS, Fp8Cast
+from tigon.ops.fp8 import Fp8Cast
 from tigon.ops.gated import auto_tile_rows, gated_fp8
 from tigon.ops.rms_norm import rms_norm_fp8
+from tigon.transformers.float8 import float8_cast, float8_down_projection, is_float8_linear, kernels_may_cast
 from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
@@ -31,48 +30,6 @@ GATE_ACTIVATIONS = {
 }
 # Where Hugging Face's MLP classes keep the activation module they were built with.
 ACTIVATION_ATTRIBUTES = ("act_fn", "activation_fn", "act")
-
-
-def is_float8_linear(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is torchao's ``Float8Linear`` (``convert_to_float8_training``'s), without
-    importing torchao where nothing did."""
-    float8_linear = sys.modules.get("torchao.float8.float8_linear")
-    return float8_linear is not None and isinstance(module, float8_linear.Float8Linear)
-
-
-def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
-    """For a torchao ``Float8Linear`` that takes ``operand`` (``"input"`` or ``"grad_output"``)
-    in one FP8 dtype with one dynamic scale for both the matmuls that use it (the ``tensorwise``
-    recipe): the :class:`~tigon.ops.fp8.Fp8Cast` a kernel makes for it, handing it the
-    ``Float8TrainingTensor`` it then takes as cast (it casts nothing; an input stays in FP8 for
-    its backward). ``None`` for any other module or recipe."""
-    if not is_float8_linear(linear):
-        return None
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    config = linear.config
-    casts, role = {
-        "input": ((config.cast_config_input, config.cast_config_input_for_grad_weight), GemmInputRole.INPUT),
-        "grad_output": ((config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight),
-                        GemmInputRole.GRAD_OUTPUT),
-    }[operand]
-    # Plain comparisons only: this runs inside compiled layers, and dynamo (torch 2.11) breaks the
-    # graph at a set's `<=`, which leaves the gate's FP8 output at the graph's edge.
-    dtype = casts[0].target_dtype
-    one_tensorwise_cast = all(
-        cast.target_dtype == dtype and cast.scaling_type is ScalingType.DYNAMIC
-        and cast.scaling_granularity is ScalingGranularity.TENSORWISE for cast in casts
-    )
-    if not one_tensorwise_cast or dtype not in FORMATS:
-        return None
-    return Fp8Cast(dtype, config.round_scales_to_power_of_2, linear.weight.dtype, linear.linear_mm_config, role)
-
-
-def kernels_may_cast(x: torch.Tensor) -> bool:
-    """Whether tigon's kernels may cast their outputs (or gradients) to FP8 for torchao's
-    matmuls: not on a DTensor (a tensor-parallel plan's) nor under autocast."""
-    return not isinstance(x, DTensor) and not torch.is_autocast_enabled(x.device.type)
 
 
 class TigonRMSNorm:
@@ -193,6 +150,11 @@ class TigonMLP:
             return getattr(F, self.gate)(gate, up, inplace_backward=True)
         return gated_fp8(gate, up, self.gate, True, *casts)
 
+    def _down_projection(self, h, casts):
+        """``down_proj(h)`` for the gate's output ``h``; where the gate cast it to FP8, with the
+        weight gradient before the input's (:func:`float8_down_projection`)."""
+        return self.down_proj(h) if casts[0] is None else float8_down_projection(self.down_proj, h)
+
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
         default), which recomputes the layer before its backward."""
@@ -246,7 +208,7 @@ class TigonGatedMLP(TigonMLP):
         casts = self._float8_casts(gate, self.down_proj, self.gate_proj, self.up_proj)
         if casts[1] is None:  # the backward writes its gradients over gate and up
             gate, up = self._writable(gate, self.gate_proj), self._writable(up, self.up_proj)
-        return self.down_proj(self._gated(gate, up, casts))
+        return self._down_projection(self._gated(gate, up, casts), casts)
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -255,7 +217,8 @@ class TigonFusedGateUpMLP(TigonMLP):
 
     def forward(self, x):
         gate, up = self._writable(self.gate_up_proj(x), self.gate_up_proj).chunk(2, dim=-1)
-        return self.down_proj(self._gated(gate, up, self._float8_casts(gate, self.down_proj)))
+        casts = self._float8_casts(gate, self.down_proj)
+        return self._down_projection(self._gated(gate, up, casts), casts)
 
 
 class TigonUngatedMLP(TigonMLP):
