@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("torchao.float8")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from torchao.float8 import float8_linear  # noqa: E402
+from torchao.float8 import float8_linear, float8_scaling_utils  # noqa: E402
 from torchao.float8.config import ScalingType  # noqa: E402
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
 
@@ -25,6 +25,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 from tigon.ops import gated  # noqa: E402
 from tigon.transformers import apply_tigon, float8, layers  # noqa: E402
 from tiny_models import tiny_batch, tiny_model  # noqa: E402
+from utils import DEVICE  # noqa: E402
 
 STEPS = 3
 # FP8 rounding moves the losses by ~1e-4 relative here; 2e-3 stays far below a lost FP8 matmul
@@ -81,7 +82,9 @@ def torchao_casts(monkeypatch, width: int, roles: tuple[str, ...]) -> list[str]:
             casts.append(gemm_input_role.value)
         return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
 
+    # torchao's linear and tigon's down projection (which imports it where it casts).
     monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", recorded_cast)
+    monkeypatch.setattr(float8_scaling_utils, "hp_tensor_to_float8_dynamic", recorded_cast)
     return casts
 
 
@@ -242,15 +245,18 @@ def test_the_gate_casts_for_one_fp8_dtype_and_one_scale_only():
     assert float8.float8_cast(torch.nn.Linear(32, 32), "input") is None
 
 
-def test_the_down_projection_computes_its_weight_gradient_first_to_torchaos_bits(monkeypatch):
-    # Over the gate's FP8 product, the down projection's backward computes the weight gradient
-    # before the input's (whose tensor is the widest of the MLP's backward), from one cast of the
-    # output gradient: the gradients are torchao's own, bit for bit.
+@pytest.mark.parametrize(("recipe", "cast_input"), [
+    ("tensorwise", True), ("tensorwise", False), ("rowwise", False), ("rowwise_with_gw_hp", False)])
+def test_the_down_projection_computes_its_weight_gradient_first_to_torchaos_bits(monkeypatch, recipe, cast_input):
+    # The down projection's backward computes the weight gradient before the input's (whose
+    # tensor is the widest of the MLP's backward), from the same casts as torchao's (a tensorwise
+    # output gradient cast once for both): the gradients are torchao's own, bit for bit, whether
+    # the input arrives cast to FP8 (the gate's product, tensorwise) or in 16 bits.
     linear = convert_to_float8_training(
-        torch.nn.Sequential(torch.nn.Linear(96, 40, bias=False)), config=Float8LinearConfig.from_recipe_name("tensorwise"),
-    )[0].to(torch.bfloat16)
-    x = torch.randn(2, 37, 96, dtype=torch.bfloat16)
-    grad_output = torch.randn(2, 37, 40, dtype=torch.bfloat16)
+        torch.nn.Sequential(torch.nn.Linear(96, 48, bias=False)), config=Float8LinearConfig.from_recipe_name(recipe),
+    )[0].to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 40, 96, dtype=torch.bfloat16, device=DEVICE)
+    grad_output = torch.randn(2, 40, 48, dtype=torch.bfloat16, device=DEVICE)
     matmuls = []
     scaled_mm = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, *args, **kwargs: (
@@ -259,18 +265,20 @@ def test_the_down_projection_computes_its_weight_gradient_first_to_torchaos_bits
     def gradients(projection):
         linear.weight.grad = None
         x_leaf = x.clone().requires_grad_()
-        x8 = hp_tensor_to_float8_dynamic(x_leaf, torch.float8_e4m3fn, linear.linear_mm_config)
-        output = projection(linear, x8)
+        x_in = hp_tensor_to_float8_dynamic(x_leaf, torch.float8_e4m3fn, linear.linear_mm_config) if cast_input else x_leaf
+        output = projection(linear, x_in)
         output.backward(grad_output)
         return output, x_leaf.grad, linear.weight.grad
 
-    theirs = gradients(lambda module, x8: module(x8))
+    theirs = gradients(lambda module, x_in: module(x_in))
     del matmuls[:]
     ours = gradients(float8.float8_down_projection)
     for mine, torchaos in zip(ours, theirs):
         assert torch.equal(mine, torchaos)
-    # Forward; then the weight gradient ([out, tokens] @ [tokens, in]), then the input's.
-    assert matmuls == [((74, 96), (96, 40)), ((40, 74), (74, 96)), ((74, 40), (40, 96))], matmuls
+    # Forward; then the weight gradient ([out, tokens] @ [tokens, in], in bf16 where the recipe
+    # says so), then the input's. (Shapes of multiples of 16, as the GPU's FP8 matmuls want.)
+    weight_gradient = [] if recipe == "rowwise_with_gw_hp" else [((48, 80), (80, 96))]
+    assert matmuls == [((80, 96), (96, 48)), *weight_gradient, ((80, 48), (48, 96))], matmuls
     # A hooked projection (an FSDP2 shard's) is called as a module, its hooks and all.
     calls = []
     linear.register_forward_pre_hook(lambda module, args: calls.append(module))

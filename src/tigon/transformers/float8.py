@@ -25,11 +25,11 @@ def is_float8_linear(module: torch.nn.Module) -> bool:
 
 
 def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
-    """For a torchao ``Float8Linear`` that takes ``operand`` (``"input"``, ``"weight"`` or
-    ``"grad_output"``) in one FP8 dtype with one dynamic scale for both the matmuls that use it
-    (the ``tensorwise`` recipe): the :class:`~tigon.ops.fp8.Fp8Cast` a kernel makes for it, handing
-    it the ``Float8TrainingTensor`` it then takes as cast (it casts nothing; an input stays in FP8
-    for its backward). ``None`` for any other module or recipe."""
+    """For a torchao ``Float8Linear`` that takes ``operand`` (``"input"`` or ``"grad_output"``)
+    in one FP8 dtype with one dynamic scale for both the matmuls that use it (the ``tensorwise``
+    recipe): the :class:`~tigon.ops.fp8.Fp8Cast` a kernel makes for it, handing it the
+    ``Float8TrainingTensor`` it then takes as cast (it casts nothing; an input stays in FP8 for
+    its backward). ``None`` for any other module or recipe."""
     if not is_float8_linear(linear):
         return None
     from torchao.float8.config import ScalingGranularity, ScalingType
@@ -38,7 +38,6 @@ def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
     config = linear.config
     casts, role = {
         "input": ((config.cast_config_input, config.cast_config_input_for_grad_weight), GemmInputRole.INPUT),
-        "weight": ((config.cast_config_weight, config.cast_config_weight_for_grad_input), GemmInputRole.WEIGHT),
         "grad_output": ((config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight),
                         GemmInputRole.GRAD_OUTPUT),
     }[operand]
@@ -60,53 +59,93 @@ def kernels_may_cast(x: torch.Tensor) -> bool:
     return not isinstance(x, DTensor) and not torch.is_autocast_enabled(x.device.type)
 
 
-def torchao_cast(t: torch.Tensor, cast: Fp8Cast) -> torch.Tensor:
-    """``t`` cast by torchao itself as ``cast`` says (one dynamic scale for the whole tensor), or
-    ``t`` where it already is FP8 (a weight FSDP2 gathered in FP8)."""
+# For each cast torchao's linear makes: the operand, its cast's name in ``Float8LinearConfig``,
+# its role, and the dimension a rowwise (axiswise) scale spans, for x [M, K] @ weight_t [K, N]:
+# scales along K for the output's matmul, along M for the weight gradient's, along N for the
+# input gradient's.
+TORCHAO_CASTS = {
+    "input": ("cast_config_input", "INPUT", -1),
+    "weight": ("cast_config_weight", "WEIGHT", 0),
+    "grad_output_for_grad_weight": ("cast_config_grad_output_for_grad_weight", "GRAD_OUTPUT", 0),
+    "input_for_grad_weight": ("cast_config_input_for_grad_weight", "INPUT", 0),
+    "grad_output": ("cast_config_grad_output", "GRAD_OUTPUT", -1),
+    "weight_for_grad_input": ("cast_config_weight_for_grad_input", "WEIGHT", -1),
+}
+
+
+def torchao_cast(t: torch.Tensor, cast: str, config, linear_mm_config) -> torch.Tensor:
+    """``t`` as torchao's linear of ``config`` (a ``Float8LinearConfig``) takes it in the matmul
+    operand ``cast`` (a key of :data:`TORCHAO_CASTS`): cast by torchao itself, or ``t`` where
+    it already is FP8 (cast by a tigon kernel, or a weight FSDP2 gathered in FP8) or where that
+    cast is disabled (a matmul in high precision)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
 
-    if tensor_already_casted_to_fp8(t):
+    name, role, axis = TORCHAO_CASTS[cast]
+    cast_config = getattr(config, name)
+    if tensor_already_casted_to_fp8(t) or cast_config.scaling_type is ScalingType.DISABLED:
         return t
+    rowwise = cast_config.scaling_granularity is ScalingGranularity.AXISWISE
     return hp_tensor_to_float8_dynamic(
-        t, cast.dtype, cast.linear_mm_config, gemm_input_role=cast.role, round_scales_to_power_of_2=cast.power_of_2)
+        t, cast_config.target_dtype, linear_mm_config, gemm_input_role=GemmInputRole[role],
+        scaling_granularity=cast_config.scaling_granularity, axiswise_dim=axis if rowwise else None,
+        round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+    )
 
 
 @torch._dynamo.allow_in_graph
 class Float8GradWeightFirstMatmul(torch.autograd.Function):
-    """``x8 @ weight_t`` (``x8 [*, K]`` already FP8, a ``Float8TrainingTensor``; ``weight_t [K, N]``
-    the 16-bit weight transposed, cast as ``weight_cast`` says) with torchao's matmuls and casts,
-    whose backward computes the weight gradient first. torchao's own backward allocates
-    ``grad_input [*, K]`` and then computes the weight gradient, whose matmul takes ``x8`` through
-    a column-major copy; here that copy is freed before ``grad_input`` exists. Under the down
-    projection, ``K`` is the MLP's width and ``grad_input`` is the widest tensor of the backward's
-    peak. The gradient, cast once by ``grad_cast``, feeds both matmuls (torchao casts it for each,
-    to the same bytes): the gradients are torchao's bit for bit."""
+    """``x @ weight_t`` (``x [*, K]``, 16-bit or already FP8; ``weight_t [K, N]`` the weight
+    transposed) as torchao's ``Float8Linear`` of ``config`` computes it, every operand cast as
+    torchao casts it (:func:`torchao_cast`), with the backward's matmuls in the other order.
+    torchao's backward allocates ``grad_input [*, K]`` and then computes the weight gradient,
+    whose operands are ``x``'s and the gradient's transposed casts; here those are made, used and
+    freed before ``grad_input`` exists. Under the down projection, ``K`` is the MLP's width and
+    ``grad_input`` the widest tensor of the backward's peak. Where both matmuls take the gradient
+    in one cast per tensor (tensorwise), it is cast once (torchao casts it for each, to the same
+    bytes). The results are torchao's bit for bit."""
 
     @staticmethod
-    def forward(ctx, x8, weight_t, weight_cast: Fp8Cast, grad_cast: Fp8Cast):
-        ctx.save_for_backward(x8, weight_t)
-        ctx.weight_cast, ctx.grad_cast = weight_cast, grad_cast
-        output = torch.mm(x8.reshape(-1, x8.shape[-1]), torchao_cast(weight_t, weight_cast))
-        return output.reshape(*x8.shape[:-1], output.shape[-1])
+    def forward(ctx, x, weight_t, config, linear_mm_config):
+        ctx.save_for_backward(x, weight_t)
+        ctx.config, ctx.linear_mm_config = config, linear_mm_config
+        output = torch.mm(
+            torchao_cast(x.reshape(-1, x.shape[-1]), "input", config, linear_mm_config),
+            torchao_cast(weight_t, "weight", config, linear_mm_config),
+        )
+        return output.reshape(*x.shape[:-1], output.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
-        x8, weight_t = ctx.saved_tensors
-        grad8 = torchao_cast(grad_output.reshape(-1, grad_output.shape[-1]), ctx.grad_cast)
-        grad_weight_t = torch.mm(grad8.t(), x8.reshape(-1, x8.shape[-1])).t()
-        grad_input = torch.mm(grad8, torchao_cast(weight_t, ctx.weight_cast).t())
+        from torchao.float8.config import ScalingGranularity
+
+        x, weight_t = ctx.saved_tensors
+        config, linear_mm_config = ctx.config, ctx.linear_mm_config
+        grad = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_for_weight = torchao_cast(grad, "grad_output_for_grad_weight", config, linear_mm_config)
+        x_for_weight = torchao_cast(x.reshape(-1, x.shape[-1]), "input_for_grad_weight", config, linear_mm_config)
+        grad_weight_t = torch.mm(grad_for_weight.t(), x_for_weight).t()
+        del x_for_weight
+        one_tensorwise_cast = (
+            config.cast_config_grad_output == config.cast_config_grad_output_for_grad_weight
+            and config.cast_config_grad_output.scaling_granularity is ScalingGranularity.TENSORWISE
+        )
+        grad_for_input = grad_for_weight if one_tensorwise_cast else torchao_cast(
+            grad, "grad_output", config, linear_mm_config)
+        del grad_for_weight
+        grad_input = torch.mm(grad_for_input, torchao_cast(weight_t, "weight_for_grad_input", config, linear_mm_config).t())
         return grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1]), grad_weight_t, None, None
 
 
-def float8_down_projection(linear: torch.nn.Module, x8: torch.Tensor) -> torch.Tensor:
-    """``linear(x8)`` for the gate's product ``x8``, cast to FP8 for ``linear`` (a torchao
-    ``Float8Linear``); by :class:`Float8GradWeightFirstMatmul` where ``linear`` has no bias and no
-    hooks and casts its weight and output gradient per tensor. A hooked layer (an FSDP2 shard's, a
-    user's) is called as a module."""
-    weight_cast, grad_cast = float8_cast(linear, "weight"), float8_cast(linear, "grad_output")
+def float8_down_projection(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for an MLP's down projection; by :class:`Float8GradWeightFirstMatmul` where
+    ``linear`` is a torchao ``Float8Linear`` with no bias and no hooks, over an ``x`` that tigon's
+    kernels may cast (:func:`kernels_may_cast`; the gate's product, 16-bit or cast to FP8). A hooked
+    layer (an FSDP2 shard's, a user's) is called as a module."""
     hooked = linear._forward_pre_hooks or linear._forward_hooks or (
         nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
-    if weight_cast is None or grad_cast is None or linear.bias is not None or hooked:
-        return linear(x8)
-    return Float8GradWeightFirstMatmul.apply(x8, linear.weight.t(), weight_cast, grad_cast)
+    if not is_float8_linear(linear) or linear.bias is not None or hooked or not kernels_may_cast(x):
+        return linear(x)
+    return Float8GradWeightFirstMatmul.apply(x, linear.weight.t(), linear.config, linear.linear_mm_config)

@@ -150,11 +150,6 @@ class TigonMLP:
             return getattr(F, self.gate)(gate, up, inplace_backward=True)
         return gated_fp8(gate, up, self.gate, True, *casts)
 
-    def _down_projection(self, h, casts):
-        """``down_proj(h)`` for the gate's output ``h``; where the gate cast it to FP8, with the
-        weight gradient before the input's (:func:`float8_down_projection`)."""
-        return self.down_proj(h) if casts[0] is None else float8_down_projection(self.down_proj, h)
-
     def _recomputed_by_checkpointing(self, x) -> bool:
         """Whether this forward runs in a layer under non-reentrant checkpointing (Hugging Face's
         default), which recomputes the layer before its backward."""
@@ -208,7 +203,7 @@ class TigonGatedMLP(TigonMLP):
         casts = self._float8_casts(gate, self.down_proj, self.gate_proj, self.up_proj)
         if casts[1] is None:  # the backward writes its gradients over gate and up
             gate, up = self._writable(gate, self.gate_proj), self._writable(up, self.up_proj)
-        return self._down_projection(self._gated(gate, up, casts), casts)
+        return float8_down_projection(self.down_proj, self._gated(gate, up, casts))
 
 
 class TigonFusedGateUpMLP(TigonMLP):
@@ -218,7 +213,7 @@ class TigonFusedGateUpMLP(TigonMLP):
     def forward(self, x):
         gate, up = self._writable(self.gate_up_proj(x), self.gate_up_proj).chunk(2, dim=-1)
         casts = self._float8_casts(gate, self.down_proj)
-        return self._down_projection(self._gated(gate, up, casts), casts)
+        return float8_down_projection(self.down_proj, self._gated(gate, up, casts))
 
 
 class TigonUngatedMLP(TigonMLP):
@@ -226,7 +221,7 @@ class TigonUngatedMLP(TigonMLP):
 
     def forward(self, x):
         up = self._writable(self.up_proj(x), self.up_proj)
-        return self.down_proj(getattr(F, self.gate)(up, inplace_backward=True))
+        return float8_down_projection(self.down_proj, getattr(F, self.gate)(up, inplace_backward=True))
 
 
 class TigonClampedSwiGLUExperts(TigonMLP):
