@@ -72,13 +72,13 @@ def input_types(projections) -> list[str]:
     return types
 
 
-def torchao_casts(monkeypatch, width: int, roles: tuple[str, ...]) -> list[str]:
-    """The roles of torchao's dynamic casts of tensors ``width`` wide in one of ``roles``, appended
-    as they run."""
+def torchao_casts(monkeypatch, width: int | None, roles: tuple[str, ...]) -> list[str]:
+    """The roles of torchao's dynamic casts of tensors ``width`` wide (any, with ``None``) in one
+    of ``roles``, appended as they run."""
     casts = []
 
     def recorded_cast(hp_tensor, *args, gemm_input_role, **kwargs):
-        if hp_tensor.shape[-1] == width and gemm_input_role.value in roles:
+        if width in (None, hp_tensor.shape[-1]) and gemm_input_role.value in roles:
             casts.append(gemm_input_role.value)
         return hp_tensor_to_float8_dynamic(hp_tensor, *args, gemm_input_role=gemm_input_role, **kwargs)
 
@@ -100,7 +100,9 @@ def test_every_fp8_matmul_is_kept_and_the_losses_match_torchao(recipe, order, sc
     projection_inputs = input_types(
         p for layer in model.model.layers for p in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.down_proj))
     losses, calls = train(model, scaled_mm_calls)
-    assert model.lm_head.__class__.__name__ == "Float8Linear"
+    # Every linear is torchao's Float8Linear, with tigon's forward (either order).
+    assert {type(module).__name__ for module in model.modules() if isinstance(module, float8_linear.Float8Linear)} == {
+        "TigonFloat8Linear"}
     # The norms and the gate cast the projections' inputs where their recipe scales them per tensor.
     assert set(projection_inputs) == {"Float8TrainingTensor" if recipe == "tensorwise" else "Tensor"}
     # The head's three matmuls are the fused loss's (one chunk here): the head's own forward, whose
@@ -126,6 +128,8 @@ def test_the_gate_casts_the_down_projections_input_and_the_projections_gradients
     # gradients (the gate and up projections' output gradients). torchao takes those as cast, and
     # they are the same bytes as its own casts, so the losses are the same, bit for bit. (A
     # rowwise recipe, scaled per row and per column, stays torchao's to cast: the recipes' test.)
+    # torchao casts what the gate does not (tigon's own casts, which would cast it all, off).
+    monkeypatch.setattr(float8, "tigon_casts_apply", lambda linear, x: False)
     casts = torchao_casts(monkeypatch, tiny_model("llama").config.intermediate_size, ("input", "grad_output"))
     model = float8_model("float8_first", "tensorwise")
     inputs = input_types(layer.mlp.down_proj for layer in model.model.layers)
@@ -145,7 +149,9 @@ def test_the_norms_cast_their_outputs_for_the_projections_that_read_them(monkeyp
     # all the projections that read them (q, k, v; gate, up): the bytes torchao casts from the
     # 16-bit output (tests/ops/test_rms_norm.py), and torchao casts none of them. A projection of
     # another kind (a LoRA adapter's) leaves its norm's output in 16 bits. (The recipes' test
-    # sees the casts in the other order.)
+    # sees the casts in the other order.) tigon's casts of the linears' other operands are off:
+    # torchao casts them, and the output projection's input is counted.
+    monkeypatch.setattr(float8, "tigon_casts_apply", lambda linear, x: False)
     casts = torchao_casts(monkeypatch, tiny_model("llama").config.hidden_size, ("input",))
     model = float8_model("float8_first", "tensorwise")
     inputs = input_types(
@@ -165,6 +171,23 @@ def test_the_norms_cast_their_outputs_for_the_projections_that_read_them(monkeyp
     unfused_losses, _ = train(float8_model("float8_first", "tensorwise"), [])
     for ours, theirs in zip(losses, unfused_losses):
         assert abs(ours - theirs) <= LOSS_TOLERANCE * abs(theirs), (losses, unfused_losses)
+
+
+@pytest.mark.parametrize(("order", "lora"), [("tigon_first", False), ("float8_first", False), ("float8_first", True)])
+def test_tigon_casts_the_linears_operands_to_torchaos_bits(monkeypatch, scaled_mm_calls, order, lora):
+    # Not compiled and tensorwise, every Float8Linear casts its operands by tigon's kernels (torchao
+    # casts none), in the same bytes and scales as torchao's casts, through the same FP8 matmuls:
+    # the losses are torchao's own, bit for bit, in either order. Under LoRA, a frozen base layer
+    # skips its weight gradient's matmul, which torchao computes and drops.
+    casts = torchao_casts(monkeypatch, None, ("input", "weight", "grad_output"))
+    losses, calls = train(float8_model(order, "tensorwise", lora), scaled_mm_calls)
+    assert casts == []
+    monkeypatch.setattr(float8, "tigon_casts_apply", lambda linear, x: False)
+    torchaos_losses, torchaos_calls = train(float8_model(order, "tensorwise", lora), scaled_mm_calls)
+    assert casts
+    assert losses == torchaos_losses
+    fewer = all(ours < theirs for ours, theirs in zip(calls, torchaos_calls))
+    assert fewer if lora else calls == torchaos_calls, (calls, torchaos_calls)
 
 
 def test_a_heads_own_forward_is_kept_and_skipped_in_training():
@@ -245,38 +268,55 @@ def test_the_gate_casts_for_one_fp8_dtype_and_one_scale_only():
     assert float8.float8_cast(torch.nn.Linear(32, 32), "input") is None
 
 
-@pytest.mark.parametrize(("recipe", "cast_input"), [
-    ("tensorwise", True), ("tensorwise", False), ("rowwise", False), ("rowwise_with_gw_hp", False)])
-def test_the_down_projection_computes_its_weight_gradient_first_to_torchaos_bits(monkeypatch, recipe, cast_input):
+@pytest.mark.parametrize(("recipe", "cast_input", "tigon_casts"), [
+    ("tensorwise", True, True), ("tensorwise", False, True), ("tensorwise", True, False),
+    ("rowwise", False, False), ("rowwise_with_gw_hp", False, False),
+])
+def test_the_down_projection_computes_its_weight_gradient_first_to_torchaos_bits(
+    monkeypatch, recipe, cast_input, tigon_casts,
+):
     # The down projection's backward computes the weight gradient before the input's (whose
     # tensor is the widest of the MLP's backward), from the same casts as torchao's (a tensorwise
-    # output gradient cast once for both): the gradients are torchao's own, bit for bit, whether
-    # the input arrives cast to FP8 (the gate's product, tensorwise) or in 16 bits.
+    # output gradient cast once for both), made by tigon's kernels (tensorwise, not compiled) or
+    # by torchao's: the gradients are torchao's own, bit for bit, whether the input arrives cast
+    # to FP8 (the gate's product, tensorwise) or in 16 bits.
+    if not tigon_casts:
+        monkeypatch.setattr(float8, "tigon_casts_apply", lambda linear, x: False)
     linear = convert_to_float8_training(
         torch.nn.Sequential(torch.nn.Linear(96, 48, bias=False)), config=Float8LinearConfig.from_recipe_name(recipe),
     )[0].to(DEVICE, torch.bfloat16)
+    # Every size a multiple of 16, as the GPU's FP8 matmuls want.
     x = torch.randn(2, 40, 96, dtype=torch.bfloat16, device=DEVICE)
     grad_output = torch.randn(2, 40, 48, dtype=torch.bfloat16, device=DEVICE)
     matmuls = []
     scaled_mm = torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, *args, **kwargs: (
-        matmuls.append((tuple(a.shape), tuple(b.shape))), scaled_mm(a, b, *args, **kwargs))[1])
+
+    def recorded_scaled_mm(a, b, *args, **kwargs):
+        matmuls.append((tuple(a.shape), tuple(b.shape)))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded_scaled_mm)
 
     def gradients(projection):
         linear.weight.grad = None
         x_leaf = x.clone().requires_grad_()
-        x_in = hp_tensor_to_float8_dynamic(x_leaf, torch.float8_e4m3fn, linear.linear_mm_config) if cast_input else x_leaf
+        if cast_input:
+            x_in = hp_tensor_to_float8_dynamic(x_leaf, torch.float8_e4m3fn, linear.linear_mm_config)
+        else:
+            x_in = x_leaf
         output = projection(linear, x_in)
         output.backward(grad_output)
         return output, x_leaf.grad, linear.weight.grad
 
     theirs = gradients(lambda module, x_in: module(x_in))
     del matmuls[:]
+    casts = torchao_casts(monkeypatch, None, ("input", "weight", "grad_output"))
     ours = gradients(float8.float8_down_projection)
+    assert bool(casts) != tigon_casts, casts
     for mine, torchaos in zip(ours, theirs):
         assert torch.equal(mine, torchaos)
     # Forward; then the weight gradient ([out, tokens] @ [tokens, in], in bf16 where the recipe
-    # says so), then the input's. (Shapes of multiples of 16, as the GPU's FP8 matmuls want.)
+    # says so), then the input's.
     weight_gradient = [] if recipe == "rowwise_with_gw_hp" else [((48, 80), (80, 96))]
     assert matmuls == [((80, 96), (96, 48)), *weight_gradient, ((80, 48), (48, 96))], matmuls
     # A hooked projection (an FSDP2 shard's) is called as a module, its hooks and all.

@@ -396,17 +396,19 @@ def _aligned(rows: int) -> int:
 
 
 def scaled_mm(a, b, a_inverse, b_inverse, out_dtype: torch.dtype, out: torch.Tensor | None = None,
-              alpha: float = 1.0) -> torch.Tensor:
-    """``alpha · (a · a_inverse) @ (b · b_inverse)`` by ``torch._scaled_mm``, fp32 accumulation,
-    in ``out_dtype`` (into ``out`` when given); ``alpha`` joins ``a``'s scale (fp32, before the
-    product is rounded). An fp32 result is computed in bf16 and widened, as torchao does: the
-    GPU's rowwise FP8 matmul has no fp32 output."""
+              alpha: float = 1.0, use_fast_accum: bool = False) -> torch.Tensor:
+    """``alpha · (a · a_inverse) @ (b · b_inverse)`` by ``torch._scaled_mm``, fp32 accumulation
+    (in the tensor cores' faster, coarser way with ``use_fast_accum``), in ``out_dtype`` (into
+    ``out`` when given); ``alpha`` joins ``a``'s scale (fp32, before the product is rounded). An
+    fp32 result is computed in bf16 and widened, as torchao does: the GPU's rowwise FP8 matmul
+    has no fp32 output."""
     if alpha != 1.0:
         a_inverse = a_inverse * alpha
     compute_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
     if out is not None and compute_dtype == out_dtype:
-        return torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=compute_dtype, out=out)
-    result = torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=compute_dtype)
+        return torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=compute_dtype, out=out,
+                                use_fast_accum=use_fast_accum)
+    result = torch._scaled_mm(a, b, a_inverse, b_inverse, out_dtype=compute_dtype, use_fast_accum=use_fast_accum)
     return result.to(out_dtype) if out is None else out.copy_(result)
 
 

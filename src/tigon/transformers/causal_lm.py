@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tigon import functional as F
 from tigon.transformers.families import Family
-from tigon.transformers.float8 import is_float8_linear
+from tigon.transformers.float8 import adopt_float8_linears, is_float8_linear
 
 
 def _extra_kwargs(signature: inspect.Signature) -> str | None:
@@ -92,6 +92,8 @@ def wrap_causal_lm_forward(forward, family: Family, loss: str):
     def tigon_forward(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs)
         labels = call.arguments.get("labels")
+        if self.training and not torch.compiler.is_compiling():
+            adopt_float8_linears(self)  # converted by torchao after tigon patched the model
         if labels is None or not self.training:
             return forward(self, *args, **kwargs)
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
-from tigon.ops.fp8 import FORMATS, Fp8Cast
+from tigon.ops.fp8 import ALIGN, FORMATS, Fp8Cast, cast, scaled_mm
 
 
 def is_float8_linear(module: torch.nn.Module) -> bool:
@@ -25,8 +25,8 @@ def is_float8_linear(module: torch.nn.Module) -> bool:
 
 
 def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
-    """For a torchao ``Float8Linear`` that takes ``operand`` (``"input"`` or ``"grad_output"``)
-    in one FP8 dtype with one dynamic scale for both the matmuls that use it (the ``tensorwise``
+    """For a torchao ``Float8Linear`` that takes ``operand`` (``"input"``, ``"weight"`` or
+    ``"grad_output"``) in one FP8 dtype with one dynamic scale for both the matmuls that use it (the ``tensorwise``
     recipe): the :class:`~tigon.ops.fp8.Fp8Cast` a kernel makes for it, handing it the
     ``Float8TrainingTensor`` it then takes as cast (it casts nothing; an input stays in FP8 for
     its backward). ``None`` for any other module or recipe."""
@@ -38,6 +38,7 @@ def float8_cast(linear: torch.nn.Module, operand: str) -> Fp8Cast | None:
     config = linear.config
     casts, role = {
         "input": ((config.cast_config_input, config.cast_config_input_for_grad_weight), GemmInputRole.INPUT),
+        "weight": ((config.cast_config_weight, config.cast_config_weight_for_grad_input), GemmInputRole.WEIGHT),
         "grad_output": ((config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight),
                         GemmInputRole.GRAD_OUTPUT),
     }[operand]
@@ -73,9 +74,9 @@ TORCHAO_CASTS = {
 }
 
 
-def torchao_cast(t: torch.Tensor, cast: str, config, linear_mm_config) -> torch.Tensor:
+def torchao_cast(t: torch.Tensor, operand: str, config, linear_mm_config) -> torch.Tensor:
     """``t`` as torchao's linear of ``config`` (a ``Float8LinearConfig``) takes it in the matmul
-    operand ``cast`` (a key of :data:`TORCHAO_CASTS`): cast by torchao itself, or ``t`` where
+    operand ``operand`` (a key of :data:`TORCHAO_CASTS`): cast by torchao itself, or ``t`` where
     it already is FP8 (cast by a tigon kernel, or a weight FSDP2 gathered in FP8) or where that
     cast is disabled (a matmul in high precision)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
@@ -83,7 +84,7 @@ def torchao_cast(t: torch.Tensor, cast: str, config, linear_mm_config) -> torch.
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    name, role, axis = TORCHAO_CASTS[cast]
+    name, role, axis = TORCHAO_CASTS[operand]
     cast_config = getattr(config, name)
     if tensor_already_casted_to_fp8(t) or cast_config.scaling_type is ScalingType.DISABLED:
         return t
@@ -135,17 +136,138 @@ class Float8GradWeightFirstMatmul(torch.autograd.Function):
         grad_for_input = grad_for_weight if one_tensorwise_cast else torchao_cast(
             grad, "grad_output", config, linear_mm_config)
         del grad_for_weight
-        grad_input = torch.mm(grad_for_input, torchao_cast(weight_t, "weight_for_grad_input", config, linear_mm_config).t())
+        weight_for_input = torchao_cast(weight_t, "weight_for_grad_input", config, linear_mm_config)
+        grad_input = torch.mm(grad_for_input, weight_for_input.t())
         return grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1]), grad_weight_t, None, None
 
 
+def is_float8_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is torchao's ``Float8TrainingTensor`` (FP8 data with its scale)."""
+    training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
+    return training_tensor is not None and isinstance(t, training_tensor.Float8TrainingTensor)
+
+
+def _fp8_operand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``Float8TrainingTensor`` (cast by a tigon kernel) as ``(its FP8 data [M, K], the inverse
+    of its scale)``."""
+    return x._data.reshape(-1, x.shape[-1]), x._scale.reciprocal()
+
+
+class Float8TensorwiseLinearFunction(torch.autograd.Function):
+    """``x @ weight.t()`` (``x [*, K]`` 16-bit, or FP8 as a tigon kernel cast it; ``weight [N, K]``)
+    as a torchao ``Float8Linear`` of the ``tensorwise`` recipe computes it, not compiled: the same
+    casts (one scale per tensor, ``config``'s dtypes and scale rule) and ``torch._scaled_mm`` calls
+    (``linear_mm_config``'s accumulation), so the results are torchao's bit for bit, but each
+    operand is cast by tigon's kernels (:func:`tigon.ops.fp8.cast`) in two passes that write both
+    copies its two matmuls take (row-major and transposed), where torchao's eager casts take
+    several passes per copy. What the backward keeps of ``x`` is its transposed FP8 copy (or the
+    FP8 input itself; nothing for a frozen weight, whose gradient is not computed). The weight
+    gradient comes before the input's (as in :class:`Float8GradWeightFirstMatmul`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, config, linear_mm_config):
+        power_of_2 = config.round_scales_to_power_of_2
+        grad_weight_wanted = ctx.needs_input_grad[1]
+        if is_float8_tensor(x):
+            x_fp8, x_inverse = _fp8_operand(x)
+            saved_x = x_fp8 if grad_weight_wanted else None
+        else:
+            (x_fp8, x_inverse), transposed = cast(
+                x.reshape(-1, x.shape[-1]), config.cast_config_input.target_dtype, "tensorwise",
+                "tensorwise" if grad_weight_wanted else None, power_of_2)
+            saved_x = transposed and transposed[0]
+        (weight_fp8, weight_inverse), _ = cast(weight, config.cast_config_weight.target_dtype, "tensorwise", None,
+                                               power_of_2)
+        output = scaled_mm(x_fp8, weight_fp8.t(), x_inverse, weight_inverse, x.dtype,
+                           use_fast_accum=linear_mm_config.output.use_fast_accum)
+        ctx.save_for_backward(saved_x, x_inverse, weight)
+        ctx.config, ctx.linear_mm_config, ctx.x_transposed = config, linear_mm_config, saved_x is not x_fp8
+        return output.reshape(*x.shape[:-1], output.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved_x, x_inverse, weight = ctx.saved_tensors
+        config, mm_config = ctx.config, ctx.linear_mm_config
+        grad_input_wanted, grad_weight_wanted = ctx.needs_input_grad[:2]
+        if is_float8_tensor(grad_output):  # cast by a tigon kernel (the gate's gradients)
+            grad_fp8, grad_inverse = _fp8_operand(grad_output)
+            grad_fp8 = grad_fp8.contiguous()
+            grad_t = grad_fp8.t().contiguous() if grad_weight_wanted else None
+        else:
+            rows, columns = cast(
+                grad_output.reshape(-1, grad_output.shape[-1]), config.cast_config_grad_output.target_dtype,
+                "tensorwise" if grad_input_wanted else None, "tensorwise" if grad_weight_wanted else None,
+                config.round_scales_to_power_of_2)
+            grad_fp8, grad_inverse = rows or columns
+            grad_t = columns and columns[0]
+        grad_input = grad_weight = None
+        if grad_weight_wanted:
+            x_t = saved_x if ctx.x_transposed else saved_x.t().contiguous()
+            grad_weight = scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_output.dtype,
+                                    use_fast_accum=mm_config.grad_weight.use_fast_accum)
+            del x_t, grad_t
+        if grad_input_wanted:
+            _, (weight_t, weight_inverse) = cast(weight, config.cast_config_weight_for_grad_input.target_dtype, None,
+                                                 "tensorwise", config.round_scales_to_power_of_2)
+            grad_input = scaled_mm(grad_fp8, weight_t.t(), grad_inverse, weight_inverse, grad_output.dtype,
+                                   use_fast_accum=mm_config.grad_input.use_fast_accum)
+            grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
+        return grad_input, grad_weight, None, None
+
+
+def tigon_casts_apply(linear: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``linear(x)`` runs by :class:`Float8TensorwiseLinearFunction`: not compiled (the
+    compiler fuses torchao's casts itself), a bias-free torchao ``Float8Linear`` casting all three
+    operands per tensor (:func:`float8_cast`), a plain 16-bit weight (not a DTensor, nor FP8 as
+    FSDP2 gathers it), ``x`` plain (:func:`kernels_may_cast`) in the weight's dtype, and sizes the
+    FP8 matmuls take (multiples of 16)."""
+    if torch.compiler.is_compiling() or not is_float8_linear(linear) or linear.bias is not None:
+        return False
+    if any(float8_cast(linear, operand) is None for operand in ("input", "weight", "grad_output")):
+        return False
+    weight = linear.weight
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (
+        type(weight) in (torch.Tensor, torch.nn.Parameter) and kernels_may_cast(x) and x.dtype == weight.dtype
+        and weight.shape[0] % ALIGN == 0 and weight.shape[1] % ALIGN == 0 and rows % ALIGN == 0
+    )
+
+
+class TigonFloat8Linear:
+    """``forward`` of torchao's ``Float8Linear``: by :class:`Float8TensorwiseLinearFunction` where
+    :func:`tigon_casts_apply`, else torchao's own."""
+
+    def forward(self, input):
+        if tigon_casts_apply(self, input):
+            return Float8TensorwiseLinearFunction.apply(input, self.weight, self.config, self.linear_mm_config)
+        return super().forward(input)
+
+
 def float8_down_projection(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` for an MLP's down projection; by :class:`Float8GradWeightFirstMatmul` where
-    ``linear`` is a torchao ``Float8Linear`` with no bias and no hooks, over an ``x`` that tigon's
-    kernels may cast (:func:`kernels_may_cast`; the gate's product, 16-bit or cast to FP8). A hooked
-    layer (an FSDP2 shard's, a user's) is called as a module."""
+    """``linear(x)`` for an MLP's down projection. Where ``linear`` is a torchao ``Float8Linear``
+    with no bias and no hooks, over an ``x`` that tigon's kernels may cast (:func:`kernels_may_cast`;
+    the gate's product, 16-bit or cast to FP8), the weight gradient comes first: by
+    :class:`Float8TensorwiseLinearFunction` where :func:`tigon_casts_apply`, else by
+    :class:`Float8GradWeightFirstMatmul`. A hooked layer (an FSDP2 shard's, a user's) is called as
+    a module."""
     hooked = linear._forward_pre_hooks or linear._forward_hooks or (
         nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks)
     if not is_float8_linear(linear) or linear.bias is not None or hooked or not kernels_may_cast(x):
         return linear(x)
+    if tigon_casts_apply(linear, x):
+        return Float8TensorwiseLinearFunction.apply(x, linear.weight, linear.config, linear.linear_mm_config)
     return Float8GradWeightFirstMatmul.apply(x, linear.weight.t(), linear.config, linear.linear_mm_config)
+
+
+def adopt_float8_linears(model: torch.nn.Module) -> None:
+    """Give every torchao ``Float8Linear`` of ``model`` tigon's forward (:class:`TigonFloat8Linear`,
+    its class changed in place as tigon's layers are; ``unapply_tigon`` gives it back). Nothing
+    where torchao's float8 was never imported."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if float8_linear is None:
+        return
+    from tigon.transformers.patching import tigon_class
+
+    for module in model.modules():
+        if type(module) is float8_linear.Float8Linear:
+            module.__class__ = tigon_class(float8_linear.Float8Linear, TigonFloat8Linear)

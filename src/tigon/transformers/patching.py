@@ -52,7 +52,7 @@ from packaging.version import Version
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from tigon.transformers import layers, moe
+from tigon.transformers import float8, layers, moe
 from tigon.transformers.causal_lm import (
     hook_head_loss,
     output_embeddings,
@@ -271,7 +271,8 @@ def families_in(model, family: Family) -> list[Family]:
 def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
     """Patch in place the layers of ``model`` that ``family`` and its sub-models' rows name: each
     norm and MLP instance changes class (``module.__class__``), keeping its parameters, device and
-    dtype; each rotary function is replaced in its modeling module; each experts module runs on
+    dtype, as does each torchao ``Float8Linear`` (:func:`~tigon.transformers.float8.adopt_float8_linears`);
+    each rotary function is replaced in its modeling module; each experts module runs on
     tigon's experts kernel (its config's ``experts_implementation``). Returns the names of the
     modeling modules whose rotary function now is tigon's."""
     tigon_of = {}
@@ -299,6 +300,7 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
         _replace_rope(module, name, function)
     for layer in experts:
         moe.use_tigon_experts(layer)
+    float8.adopt_float8_linears(model)
     layers.follow_gradient_checkpointing(model)
     layers.link_norm_inputs(model, norm_inputs)
     return {module.__name__ for module, _, _ in rope_patches}
