@@ -3,7 +3,9 @@
 checkpointing, and with PEFT LoRA over the converted layers.
 
 What must hold: every FP8 matmul of torchao's own run still runs (``torch._scaled_mm`` is counted
-per training step: the decoder's linears are torchao's, and the converted ``lm_head``'s three matmuls
+per training step: the decoder's linears are torchao's ``Float8Linear`` layers, whose operands
+tigon's kernels cast where torchao's would be (tensorwise, not compiled), and the converted
+``lm_head``'s three matmuls
 are the fused loss's, in FP8 by the head's recipe: the head's own forward, whose logits would be
 dropped, does not run); and the losses of a few AdamW steps equal torchao's alone within the noise of
 FP8 rounding (the fused loss's chunked scaling and bf16 logits against torchao's whole-tensor
@@ -128,7 +130,7 @@ def test_the_gate_casts_the_down_projections_input_and_the_projections_gradients
     # gradients (the gate and up projections' output gradients). torchao takes those as cast, and
     # they are the same bytes as its own casts, so the losses are the same, bit for bit. (A
     # rowwise recipe, scaled per row and per column, stays torchao's to cast: the recipes' test.)
-    # torchao casts what the gate does not (tigon's own casts, which would cast it all, off).
+    # tigon's casts of the linears' operands are off: torchao casts what the gate leaves.
     monkeypatch.setattr(float8, "tigon_casts_apply", lambda linear, x: False)
     casts = torchao_casts(monkeypatch, tiny_model("llama").config.intermediate_size, ("input", "grad_output"))
     model = float8_model("float8_first", "tensorwise")
