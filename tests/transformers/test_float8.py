@@ -5,11 +5,10 @@ checkpointing, and with PEFT LoRA over the converted layers.
 What must hold: every FP8 matmul of torchao's own run still runs (``torch._scaled_mm`` is counted
 per training step: the decoder's linears are torchao's ``Float8Linear`` layers, whose operands
 tigon's kernels cast where torchao's would be (tensorwise, not compiled), and the converted
-``lm_head``'s three matmuls
-are the fused loss's, in FP8 by the head's recipe: the head's own forward, whose logits would be
-dropped, does not run); and the losses of a few AdamW steps equal torchao's alone within the noise of
-FP8 rounding (the fused loss's chunked scaling and bf16 logits against torchao's whole-tensor
-scaling and fp32 upcast).
+``lm_head``'s three matmuls are the fused loss's, in FP8 by the head's recipe: the head's own
+forward, whose logits would be dropped, does not run); and the losses of a few AdamW steps equal
+torchao's alone within the noise of FP8 rounding (the fused loss's chunked scaling and bf16 logits
+against torchao's whole-tensor scaling and fp32 upcast).
 """
 
 import pytest
