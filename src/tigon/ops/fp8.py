@@ -379,11 +379,17 @@ def cast(t: torch.Tensor, dtype: torch.dtype, rows: Scaling | None, columns: Sca
     return operand(out, row_inverse, rows), operand(out_t, column_inverse, columns)
 
 
-def is_float8_weight(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is torchao's ``Float8TrainingTensor``: FP8 ``_data`` with its ``_scale``
+def is_float8_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is torchao's ``Float8TrainingTensor``: FP8 ``_data`` with its ``_scale``
     (``max(dtype) / amax``), standing for a tensor of its ``dtype``."""
-    data = getattr(weight, "_data", None)
-    return isinstance(data, torch.Tensor) and data.dtype in (E4M3, E5M2) and hasattr(weight, "_scale")
+    data = getattr(t, "_data", None)
+    return isinstance(data, torch.Tensor) and data.dtype in (E4M3, E5M2) and hasattr(t, "_scale")
+
+
+def float8_operand(t: torch.Tensor) -> Fp8Operand:
+    """A ``Float8TrainingTensor`` ``t [*, K]`` as an operand: its FP8 data ``[M, K]`` and the
+    inverse of its scale."""
+    return t._data.reshape(-1, t.shape[-1]), t._scale.float().reciprocal()
 
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
@@ -426,12 +432,12 @@ class Fp8HeadMatmuls:
         self.grad_weight_scaling = self.scaling if self.recipe.grad_weight_fp8 and grad_weight_needed else None
         pow2 = self.recipe.power_of_2_scales
         self.weight_for_grad_input: Fp8Operand | None = None
-        if is_float8_weight(weight):
+        if is_float8_tensor(weight):
             # Already cast, tensorwise (FSDP2 all-gathers torchao's weights in FP8 so).
             if self.recipe.axiswise:
                 raise ValueError(f"fp8={recipe!r}: the weight is already FP8 with one scale (tensorwise); "
                                  "expected the tensorwise recipe")
-            self.weight_fp8, self.weight_inverse = weight._data, weight._scale.float().reciprocal()
+            self.weight_fp8, self.weight_inverse = float8_operand(weight)
             if grad_input_needed:
                 self.weight_for_grad_input = (column_major(self.weight_fp8), self.weight_inverse)
         else:
@@ -601,3 +607,63 @@ class Fp8HeadMatmuls:
             scaled_mm(grad_t[rows], x_t.t(), grad_inverse[rows] if grad_inverse.dim() else grad_inverse, x_inverse,
                       grad_weight.dtype, out, alpha)
             grad_weight[rows].add_(out)
+
+
+class TensorwiseFp8LinearFunction(torch.autograd.Function):
+    """``x @ weight.t()`` (``x [*, K]`` 16-bit, or FP8 already as a ``Float8TrainingTensor``;
+    ``weight [N, K]`` 16-bit) as torchao's tensorwise ``Float8Linear`` computes it: ``x``, the weight
+    and the output gradient in ``dtypes`` (input, weight, gradient), each with one scale
+    (:func:`fp8_scales`, floored to a power of two with ``power_of_2``), and ``torch._scaled_mm``
+    for the output, the input gradient and the weight gradient (``fast_accum``, in that order).
+    Each operand is cast by :func:`cast`, which writes both copies its two matmuls take (row-major
+    and transposed) from one amax pass and one cast pass. The backward keeps ``x``'s transposed copy
+    (or the FP8 ``x`` itself; nothing for a weight that needs no gradient, whose matmul is skipped)
+    and computes the weight gradient before the input's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], power_of_2: bool,
+                fast_accum: tuple[bool, bool, bool]):
+        grad_weight_wanted = ctx.needs_input_grad[1]
+        if is_float8_tensor(x):
+            x_fp8, x_inverse = float8_operand(x)
+            saved_x = x_fp8 if grad_weight_wanted else None
+        else:
+            (x_fp8, x_inverse), transposed = cast(
+                x.reshape(-1, x.shape[-1]), dtypes[0], "tensorwise", "tensorwise" if grad_weight_wanted else None,
+                power_of_2)
+            saved_x = transposed and transposed[0]
+        (weight_fp8, weight_inverse), _ = cast(weight, dtypes[1], "tensorwise", None, power_of_2)
+        output = scaled_mm(x_fp8, weight_fp8.t(), x_inverse, weight_inverse, x.dtype, use_fast_accum=fast_accum[0])
+        ctx.save_for_backward(saved_x, x_inverse, weight)
+        ctx.dtypes, ctx.power_of_2, ctx.fast_accum = dtypes, power_of_2, fast_accum
+        ctx.x_transposed = saved_x is not x_fp8
+        return output.reshape(*x.shape[:-1], output.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved_x, x_inverse, weight = ctx.saved_tensors
+        _, weight_dtype, grad_dtype = ctx.dtypes
+        grad_input_wanted, grad_weight_wanted = ctx.needs_input_grad[:2]
+        if is_float8_tensor(grad_output):  # cast by a tigon kernel (the gate's gradients)
+            grad_fp8, grad_inverse = float8_operand(grad_output)
+            grad_fp8 = grad_fp8.contiguous()
+            grad_t = grad_fp8.t().contiguous() if grad_weight_wanted else None
+        else:
+            rows, columns = cast(
+                grad_output.reshape(-1, grad_output.shape[-1]), grad_dtype,
+                "tensorwise" if grad_input_wanted else None, "tensorwise" if grad_weight_wanted else None,
+                ctx.power_of_2)
+            grad_fp8, grad_inverse = rows or columns
+            grad_t = columns and columns[0]
+        grad_input = grad_weight = None
+        if grad_weight_wanted:
+            x_column_major = saved_x.t() if ctx.x_transposed else column_major(saved_x)
+            grad_weight = scaled_mm(grad_t, x_column_major, grad_inverse, x_inverse, grad_output.dtype,
+                                    use_fast_accum=ctx.fast_accum[2])
+            del x_column_major, grad_t
+        if grad_input_wanted:
+            _, (weight_t, weight_inverse) = cast(weight, weight_dtype, None, "tensorwise", ctx.power_of_2)
+            grad_input = scaled_mm(grad_fp8, weight_t.t(), grad_inverse, weight_inverse, grad_output.dtype,
+                                   use_fast_accum=ctx.fast_accum[1])
+            grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
+        return grad_input, grad_weight, None, None, None

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
-from tigon.ops.fp8 import ALIGN, FORMATS, Fp8Cast, cast, scaled_mm
+from tigon.ops.fp8 import ALIGN, FORMATS, Fp8Cast, TensorwiseFp8LinearFunction
 
 
 def is_float8_linear(module: torch.nn.Module) -> bool:
@@ -141,82 +141,8 @@ class Float8GradWeightFirstMatmul(torch.autograd.Function):
         return grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1]), grad_weight_t, None, None
 
 
-def is_float8_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is torchao's ``Float8TrainingTensor`` (FP8 data with its scale)."""
-    training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
-    return training_tensor is not None and isinstance(t, training_tensor.Float8TrainingTensor)
-
-
-def _fp8_operand(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``Float8TrainingTensor`` (cast by a tigon kernel) as ``(its FP8 data [M, K], the inverse
-    of its scale)``."""
-    return x._data.reshape(-1, x.shape[-1]), x._scale.reciprocal()
-
-
-class Float8TensorwiseLinearFunction(torch.autograd.Function):
-    """``x @ weight.t()`` (``x [*, K]`` 16-bit, or FP8 as a tigon kernel cast it; ``weight [N, K]``)
-    as a torchao ``Float8Linear`` of the ``tensorwise`` recipe computes it, not compiled: the same
-    casts (one scale per tensor, ``config``'s dtypes and scale rule) and ``torch._scaled_mm`` calls
-    (``linear_mm_config``'s accumulation), so the results are torchao's bit for bit, but each
-    operand is cast by tigon's kernels (:func:`tigon.ops.fp8.cast`) in two passes that write both
-    copies its two matmuls take (row-major and transposed), where torchao's eager casts take
-    several passes per copy. What the backward keeps of ``x`` is its transposed FP8 copy (or the
-    FP8 input itself; nothing for a frozen weight, whose gradient is not computed). The weight
-    gradient comes before the input's (as in :class:`Float8GradWeightFirstMatmul`)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, config, linear_mm_config):
-        power_of_2 = config.round_scales_to_power_of_2
-        grad_weight_wanted = ctx.needs_input_grad[1]
-        if is_float8_tensor(x):
-            x_fp8, x_inverse = _fp8_operand(x)
-            saved_x = x_fp8 if grad_weight_wanted else None
-        else:
-            (x_fp8, x_inverse), transposed = cast(
-                x.reshape(-1, x.shape[-1]), config.cast_config_input.target_dtype, "tensorwise",
-                "tensorwise" if grad_weight_wanted else None, power_of_2)
-            saved_x = transposed and transposed[0]
-        (weight_fp8, weight_inverse), _ = cast(weight, config.cast_config_weight.target_dtype, "tensorwise", None,
-                                               power_of_2)
-        output = scaled_mm(x_fp8, weight_fp8.t(), x_inverse, weight_inverse, x.dtype,
-                           use_fast_accum=linear_mm_config.output.use_fast_accum)
-        ctx.save_for_backward(saved_x, x_inverse, weight)
-        ctx.config, ctx.linear_mm_config, ctx.x_transposed = config, linear_mm_config, saved_x is not x_fp8
-        return output.reshape(*x.shape[:-1], output.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        saved_x, x_inverse, weight = ctx.saved_tensors
-        config, mm_config = ctx.config, ctx.linear_mm_config
-        grad_input_wanted, grad_weight_wanted = ctx.needs_input_grad[:2]
-        if is_float8_tensor(grad_output):  # cast by a tigon kernel (the gate's gradients)
-            grad_fp8, grad_inverse = _fp8_operand(grad_output)
-            grad_fp8 = grad_fp8.contiguous()
-            grad_t = grad_fp8.t().contiguous() if grad_weight_wanted else None
-        else:
-            rows, columns = cast(
-                grad_output.reshape(-1, grad_output.shape[-1]), config.cast_config_grad_output.target_dtype,
-                "tensorwise" if grad_input_wanted else None, "tensorwise" if grad_weight_wanted else None,
-                config.round_scales_to_power_of_2)
-            grad_fp8, grad_inverse = rows or columns
-            grad_t = columns and columns[0]
-        grad_input = grad_weight = None
-        if grad_weight_wanted:
-            x_t = saved_x if ctx.x_transposed else saved_x.t().contiguous()
-            grad_weight = scaled_mm(grad_t, x_t.t(), grad_inverse, x_inverse, grad_output.dtype,
-                                    use_fast_accum=mm_config.grad_weight.use_fast_accum)
-            del x_t, grad_t
-        if grad_input_wanted:
-            _, (weight_t, weight_inverse) = cast(weight, config.cast_config_weight_for_grad_input.target_dtype, None,
-                                                 "tensorwise", config.round_scales_to_power_of_2)
-            grad_input = scaled_mm(grad_fp8, weight_t.t(), grad_inverse, weight_inverse, grad_output.dtype,
-                                   use_fast_accum=mm_config.grad_input.use_fast_accum)
-            grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
-        return grad_input, grad_weight, None, None
-
-
 def tigon_casts_apply(linear: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``linear(x)`` runs by :class:`Float8TensorwiseLinearFunction`: not compiled (the
+    """Whether ``linear(x)`` runs by :func:`tigon_cast_linear`: not compiled (the
     compiler fuses torchao's casts itself), a bias-free torchao ``Float8Linear`` casting all three
     operands per tensor (:func:`float8_cast`), a plain 16-bit weight (not a DTensor, nor FP8 as
     FSDP2 gathers it), ``x`` plain (:func:`kernels_may_cast`) in the weight's dtype, and sizes the
@@ -233,21 +159,32 @@ def tigon_casts_apply(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     )
 
 
+def tigon_cast_linear(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for a torchao ``Float8Linear`` of the tensorwise recipe, its operands cast by
+    tigon's kernels (:class:`tigon.ops.fp8.TensorwiseFp8LinearFunction`) in the dtypes, scale rule
+    and matmul accumulation of ``linear``'s config: torchao's bytes, scales and matmuls, its
+    results bit for bit."""
+    config, mm_config = linear.config, linear.linear_mm_config
+    dtypes = tuple(getattr(config, name).target_dtype
+                   for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output"))
+    fast_accum = (mm_config.output.use_fast_accum, mm_config.grad_input.use_fast_accum,
+                  mm_config.grad_weight.use_fast_accum)
+    return TensorwiseFp8LinearFunction.apply(x, linear.weight, dtypes, config.round_scales_to_power_of_2, fast_accum)
+
+
 class TigonFloat8Linear:
-    """``forward`` of torchao's ``Float8Linear``: by :class:`Float8TensorwiseLinearFunction` where
+    """``forward`` of torchao's ``Float8Linear``: by :func:`tigon_cast_linear` where
     :func:`tigon_casts_apply`, else torchao's own."""
 
     def forward(self, input):
-        if tigon_casts_apply(self, input):
-            return Float8TensorwiseLinearFunction.apply(input, self.weight, self.config, self.linear_mm_config)
-        return super().forward(input)
+        return tigon_cast_linear(self, input) if tigon_casts_apply(self, input) else super().forward(input)
 
 
 def float8_down_projection(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)`` for an MLP's down projection. Where ``linear`` is a torchao ``Float8Linear``
     with no bias and no hooks, over an ``x`` that tigon's kernels may cast (:func:`kernels_may_cast`;
     the gate's product, 16-bit or cast to FP8), the weight gradient comes first: by
-    :class:`Float8TensorwiseLinearFunction` where :func:`tigon_casts_apply`, else by
+    :func:`tigon_cast_linear` where :func:`tigon_casts_apply`, else by
     :class:`Float8GradWeightFirstMatmul`. A hooked layer (an FSDP2 shard's, a user's) is called as
     a module."""
     hooked = linear._forward_pre_hooks or linear._forward_hooks or (
@@ -255,7 +192,7 @@ def float8_down_projection(linear: torch.nn.Module, x: torch.Tensor) -> torch.Te
     if not is_float8_linear(linear) or linear.bias is not None or hooked or not kernels_may_cast(x):
         return linear(x)
     if tigon_casts_apply(linear, x):
-        return Float8TensorwiseLinearFunction.apply(x, linear.weight, linear.config, linear.linear_mm_config)
+        return tigon_cast_linear(linear, x)
     return Float8GradWeightFirstMatmul.apply(x, linear.weight.t(), linear.config, linear.linear_mm_config)
 
 
