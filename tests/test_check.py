@@ -7,6 +7,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 import tigon.functional
 import tigon.losses
@@ -30,9 +31,9 @@ def test_every_op_passes(capsys):
     names = [case.name for case in check.cases(small=True)]
     for name in names:
         rows = _rows(lines, name)
-        assert [row[-6] for row in rows] == list(check.DTYPES), f"{name}: one row per dtype, got {rows}"
+        assert [row[-6] for row in rows] == list(check.DEFAULT_DTYPES), f"{name}: one row per dtype, got {rows}"
         assert all(row[-1] == "yes" for row in rows), rows
-    assert lines[-1] == f"{len(names) * len(check.DTYPES)} passed, 0 failed"
+    assert lines[-1] == f"{len(names) * len(check.DEFAULT_DTYPES)} passed, 0 failed"
 
 
 def test_every_public_op_has_a_case():
@@ -67,6 +68,15 @@ def test_a_wrong_output_fails(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert [row[-1] for row in _rows(lines, "swiglu")] == ["NO", "NO"]
     assert lines[-1] == "0 passed, 2 failed"
+
+
+def test_fp16_on_request(capsys):
+    """fp16, tested by the suite, is checked on request against its own tolerance."""
+    assert check.main(["rms_norm", "--dtypes", "fp16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    [row] = _rows(lines, "rms_norm")
+    assert row[-6] == "fp16" and row[-1] == "yes"
+    assert float(row[-3]) == check.TOLERANCE[torch.float16]
 
 
 def test_an_op_over_its_tolerance_fails(capsys, monkeypatch):

@@ -4,6 +4,7 @@ speed."""
 
 import argparse
 import importlib.metadata
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,26 @@ def test_version(capsys):
     assert f"torch {torch.__version__}" in line
     # The version is written twice, in pyproject.toml and in tigon/__init__.py: they must agree.
     assert tigon.__version__ == importlib.metadata.version("tigon")
+
+
+def test_version_names_the_integrations_without_importing_them(capsys, monkeypatch):
+    """A bug report needs the versions of the libraries tigon plugs into, read from their
+    metadata: none is imported (each made unimportable here), a missing one says so."""
+    for name in cli.INTEGRATIONS:
+        monkeypatch.setitem(sys.modules, name, None)
+    version = importlib.metadata.version
+
+    def without_bitsandbytes(distribution):
+        if distribution == "bitsandbytes":
+            raise importlib.metadata.PackageNotFoundError(distribution)
+        return version(distribution)
+
+    monkeypatch.setattr(cli.metadata, "version", without_bitsandbytes)
+    assert tigon_command(["--version"]) == 0
+    out = capsys.readouterr().out
+    for name in ("transformers", "peft", "trl", "accelerate", "deepspeed", "torchao"):
+        assert f"{name} {version(name)}" in out
+    assert "bitsandbytes not installed" in out
 
 
 def test_bare_tigon_prints_the_help(capsys):

@@ -2,14 +2,14 @@
 
 Every function of :mod:`tigon.functional` and every loss of :mod:`tigon.losses` (the log-probs
 head, the preference losses, the GRPO family, the divergences and distillation) runs forward and
-backward in fp32 and in bf16, and the reference of :mod:`tigon.testing.reference` runs on the
-same input values in fp64. Each row prints the largest relative error (‖out − truth‖ / ‖truth‖,
-the truth rounded to a 16-bit output's dtype, which is the best such an output can hold) over the
-outputs and over every input gradient (a gradient the reference has and tigon lacks counts as an
-infinite error), against the dtype's tolerance, and the time of one tigon forward + backward
-(wall clock; after a warm-up call on a GPU; through the interpreter on a CPU-only machine, where it
-says nothing about GPU speed). Shapes are small without a GPU and realistic with one. The exit
-status is 1 if any row fails.
+backward in fp32 and in bf16 (fp16 too on request: ``--dtypes fp16``), and the reference of
+:mod:`tigon.testing.reference` runs on the same input values in fp64. Each row prints the largest
+relative error (‖out − truth‖ / ‖truth‖, the truth rounded to a 16-bit output's dtype, which is the
+best such an output can hold) over the outputs and over every input gradient (a gradient the
+reference has and tigon lacks counts as an infinite error), against the dtype's tolerance, and the
+time of one tigon forward + backward (wall clock; after a warm-up call on a GPU; through the
+interpreter on a CPU-only machine, where it says nothing about GPU speed). Shapes are small without
+a GPU and realistic with one. The exit status is 1 if any row fails.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from tigon import losses
 from tigon.ops._launch import interpreting
 from tigon.testing import TOLERANCE, reference
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What a bare `tigon check` runs: fp32, and bf16 for the 16-bit dtypes (fp16 on request).
+DEFAULT_DTYPES = ("fp32", "bf16")
 
 
 def _no_options(dtype: torch.dtype) -> dict:
@@ -470,8 +472,8 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("ops", nargs="*", metavar="OP",
                         help="names of the cases to run, as the first column prints them (default: every one)")
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
-                        help=f"dtypes to run each op in (default: {' '.join(DTYPES)})")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DEFAULT_DTYPES),
+                        help=f"dtypes to run each op in, of {', '.join(DTYPES)} (default: {' '.join(DEFAULT_DTYPES)})")
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+from importlib import metadata
 from pathlib import Path
 
 
@@ -56,15 +57,31 @@ COMMANDS = {
 }
 
 
+# The libraries tigon integrates with, whose versions a bug report needs: read from the installed
+# distributions' metadata, so that none of them is imported (transformers alone takes seconds).
+INTEGRATIONS = ("transformers", "peft", "trl", "accelerate", "deepspeed", "torchao", "bitsandbytes")
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def version_line() -> str:
+    """tigon's version and folder with Python's, torch's and triton's versions, then on a second
+    line those of the libraries tigon integrates with (or "not installed")."""
     import torch
     import triton
 
     import tigon
 
+    integrations = ", ".join(f"{name} {_installed_version(name)}" for name in INTEGRATIONS)
     return (
         f"tigon {tigon.__version__} from {Path(tigon.__file__).parent} "
-        f"(python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__})"
+        f"(python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__})\n"
+        f"with {integrations}"
     )
 
 
@@ -73,7 +90,10 @@ def parser() -> argparse.ArgumentParser:
         prog="tigon",
         description="tigon: Triton kernels for LLM training. `tigon <command> --help` lists a command's options.",
     )
-    parser.add_argument("--version", action="store_true", help="print tigon's version and where it is installed")
+    parser.add_argument(
+        "--version", action="store_true",
+        help="print tigon's version, where it is installed and the versions of what it runs with (for a bug report)",
+    )
     # The commands parse their own arguments: here they are listed, with what each does.
     commands = parser.add_subparsers(title="commands", dest="command", metavar="<command>")
     for name, (_, summary) in COMMANDS.items():
