@@ -115,3 +115,48 @@ def test_demo_on_the_cpu_claims_no_speed(capsys, tmp_path):
     assert "speed is not measured" in captured.out
     assert "first loss" in captured.out and "largest per-step loss difference" in captured.out
     assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def _no_work(monkeypatch):
+    """Training or timing anything fails the test: the checks must stop the command before."""
+    from tigon import demo
+    from tigon.bench import command
+
+    def work(*args, **kwargs):
+        raise AssertionError("the command started its work")
+
+    for module, name in ((demo, "build_model"), (demo, "train"), (command, "_sweep"), (command, "load_providers")):
+        monkeypatch.setattr(module, name, work)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--steps", "1"], ["bench", "rms_norm"]], ids=" ".join)
+def test_a_missing_bench_extra_stops_before_the_work(monkeypatch, argv):
+    """Without matplotlib the command exits at once with one line saying what to install, not with
+    a traceback after training or timing."""
+    _no_work(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exit_info:
+        tigon_command(argv)
+    message = str(exit_info.value.code)
+    assert message.startswith(f"tigon {argv[0]} needs matplotlib, not installed here")
+    assert 'pip install "tigon[bench]"' in message and "\n" not in message
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--steps", "0", "expected an integer >= 1"),
+    ("--steps", "-1", "expected an integer >= 1"),
+    ("--seq-len", "1", "expected an integer >= 2"),
+    ("--batch", "0", "expected an integer >= 1"),
+    ("--lr", "0", "expected a finite number > 0"),
+    ("--lr", "nan", "expected a finite number > 0"),
+    ("--seq-len", "100000", "the bundled corpus has"),
+])
+def test_demo_refuses_nonsensical_sizes(monkeypatch, capsys, option, value, expected):
+    """argparse's usage error names the option, the value and what it expects, before any work."""
+    _no_work(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        tigon_command(["demo", option, value])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"tigon demo: error: argument {option}")
+    assert expected in error and value in error

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
 from pathlib import Path
 
 import torch
+
+from tigon.bench.machine import BENCH_EXTRA, require_modules
 
 DESCRIPTION = (
     "Train a small Llama twice on the corpus bundled with tigon, plain Hugging Face and patched by tigon, from the "
@@ -119,6 +123,32 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _int_at_least(minimum: int, meaning: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``; ``meaning`` says why, in argparse's usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum} ({meaning}), got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum} ({meaning}), got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def parser(on_gpu: bool) -> argparse.ArgumentParser:
     """The options; their defaults are for the machine: a real model with a GPU, a tiny one without."""
 
@@ -133,13 +163,16 @@ def parser(on_gpu: bool) -> argparse.ArgumentParser:
     size, default = machine_default("base", "tiny")
     parser.add_argument("--size", choices=list(SIZES), default=size, help=f"the Llama's size: {sizes} {default}")
     steps, default = machine_default(30, 8)
-    parser.add_argument("--steps", type=int, default=steps, help=f"training steps of each run {default}")
+    parser.add_argument("--steps", type=_int_at_least(1, "training steps"), default=steps,
+                        help=f"training steps of each run {default}")
     seq_len, default = machine_default(1024, 32, " bytes")
-    parser.add_argument("--seq-len", type=int, default=seq_len,
-                        help=f"tokens (bytes of the corpus) per sequence {default}")
+    # A causal LM predicts each token from the ones before it: one token alone has no target.
+    parser.add_argument("--seq-len", type=_int_at_least(2, "a sequence needs a token to predict and one before it"),
+                        default=seq_len, help=f"tokens (bytes of the corpus) per sequence, at least 2 {default}")
     batch, default = machine_default(8, 2)
-    parser.add_argument("--batch", type=int, default=batch, help=f"sequences per step {default}")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default: %(default)g)")
+    parser.add_argument("--batch", type=_int_at_least(1, "sequences per step"), default=batch,
+                        help=f"sequences per step {default}")
+    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW's learning rate (default: %(default)g)")
     dtype, default = machine_default("bf16", "fp32")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default=dtype, help=f"the models' dtype {default}")
     parser.add_argument("--out", type=Path, default=Path("tigon-out"),
@@ -151,7 +184,14 @@ def parser(on_gpu: bool) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
-    args = parser(on_gpu).parse_args(argv)
+    options = parser(on_gpu)
+    args = options.parse_args(argv)
+    require_modules("tigon demo", {**BENCH_EXTRA, "transformers": "transformers"})
+    corpus = load_corpus()
+    # make_batches draws each sequence's start from [0, corpus bytes - seq_len - 1).
+    if args.seq_len > corpus.numel() - 2:
+        options.error(f"argument --seq-len: the bundled corpus has {corpus.numel()} bytes, so at most "
+                      f"{corpus.numel() - 2}; got {args.seq_len}")
 
     from tqdm import tqdm
 
@@ -165,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:
         print("Without a GPU the kernels run through Triton's interpreter: this compares the losses only; "
               "speed is not measured.")
-    corpus = load_corpus()
     batches = make_batches(corpus, args.steps, args.batch, args.seq_len, args.seed)
     torch.manual_seed(args.seed)
     plain = build_model(args.size, args.seq_len, dtype, device)

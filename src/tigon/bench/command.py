@@ -16,7 +16,7 @@ import triton
 
 import tigon
 from tigon.bench import report, runner
-from tigon.bench.machine import default_out, run_device
+from tigon.bench.machine import BENCH_EXTRA, default_out, require_modules, run_device
 from tigon.bench.providers import PROVIDERS, load_providers
 from tigon.bench.specs import MODES, OPS
 
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in SUBCOMMANDS:
         return importlib.import_module(f"tigon.bench.{SUBCOMMANDS[argv[0]]}").main(argv[1:])
     args = parse_args(argv)
+    require_modules("tigon bench", BENCH_EXTRA)
     started = time.perf_counter()
     smoke, device, gpu = run_device(args.smoke)
     on_gpu = gpu is not None

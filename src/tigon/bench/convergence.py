@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tigon.bench.machine import default_out, environment
+from tigon.bench.machine import BENCH_EXTRA, default_out, environment, require_modules
 from tigon.ops.fp8 import RECIPES
 
 SIZES = dict(vocab=2048, hidden=512, intermediate=1408, layers=4, heads=8, batch=16, seq_len=512, steps=300)
@@ -157,6 +157,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    require_modules("tigon bench convergence", BENCH_EXTRA)
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.smoke:
         print("tigon bench convergence trains on a GPU; no CUDA device is available here. "

@@ -102,7 +102,9 @@ from tigon.bench import e2e_trl
 from tigon.bench.e2e_models import (
     MODELS, attention_for, batch_maker, build_model, decoder_layers, experts_in, quantize_4bit, with_lora,
 )
-from tigon.bench.machine import default_out, environment, peak_gib, reset_peak, synchronize
+from tigon.bench.machine import (
+    BENCH_EXTRA, default_out, environment, peak_gib, require_modules, reset_peak, synchronize,
+)
 from tigon.bench.processes import failure_record, launch, print_result
 from tigon.ops.fp8 import RECIPES as FP8_RECIPES
 
@@ -809,6 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, args = parse_args(argv)
     check_args(parser, args)
+    require_modules("tigon bench e2e", BENCH_EXTRA)
     if args.child:
         return run_child(args)
     on_gpu = torch.cuda.is_available()

@@ -73,7 +73,7 @@ import torch
 
 from tigon.bench.e2e import new_optimizer, time_steps, train_step
 from tigon.bench.e2e_models import build_model, quantize_4bit, text_batch, with_lora
-from tigon.bench.machine import default_out, environment, run_device
+from tigon.bench.machine import BENCH_EXTRA, default_out, environment, require_modules, run_device
 from tigon.bench.processes import failure_record, launch, print_result
 from tigon.bench.report import write_csv
 
@@ -459,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, args = parse_args(argv)
     resolve_sizes(parser, args)
+    require_modules("tigon bench longctx", BENCH_EXTRA)
     if args.child:
         return run_child(args)
     smoke, _, gpu = run_device(args.smoke)

@@ -1,23 +1,42 @@
 """The machine a bench command runs on, and where its results go: the device and the GPU's name,
-the versions installed, the memory counters of a device (none on the CPU), the default folder.
+the versions installed, whether the modules a command needs are, the memory counters of a device
+(none on the CPU), the default folder.
 
-Shared by ``tigon bench`` (:mod:`tigon.bench.command`), ``tigon bench e2e`` and ``tigon bench moe``;
-it imports nothing of theirs, so the dependencies run one way: command → e2e, moe → machine.
+Shared by ``tigon bench`` (:mod:`tigon.bench.command`), its subcommands and ``tigon demo``; it
+imports nothing of theirs, so the dependencies run one way: command → e2e, moe → machine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
+# The modules of tigon's "bench" extra: the plots and the progress bars of tigon bench and tigon demo.
+BENCH_EXTRA = {"matplotlib": "bench", "tqdm": "bench"}
+
 # What the results record the versions of, when installed.
 DISTRIBUTIONS = (
     "tigon", "torch", "triton", "transformers", "accelerate", "peft", "trl", "datasets", "liger-kernel",
 )
+
+
+def require_modules(command: str, modules: Mapping[str, str]) -> None:
+    """Exit, before any training or timing, with one line naming the modules of ``modules`` (each
+    mapped to the extra of tigon that installs it) that are missing and the command installing
+    them; rather than a traceback once the work is done and the results are plotted."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        extras = ",".join(dict.fromkeys(modules[name] for name in missing))
+        raise SystemExit(
+            f"{command} needs {', '.join(missing)}, not installed here: pip install \"tigon[{extras}]\" "
+            f"(in a checkout: pip install -e \".[{extras}]\")"
+        )
 
 
 def slug(name: str) -> str:

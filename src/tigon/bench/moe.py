@@ -88,7 +88,7 @@ import triton
 
 import tigon
 from tigon.bench import runner
-from tigon.bench.machine import default_out, run_device, version
+from tigon.bench.machine import BENCH_EXTRA, default_out, require_modules, run_device, version
 
 REFERENCE = "grouped_mm"
 PROVIDERS = (REFERENCE, "batched_mm", "liger", "tigon")
@@ -551,6 +551,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    require_modules("tigon bench moe", BENCH_EXTRA)
     smoke, device, gpu = run_device(args.smoke)
     on_gpu = gpu is not None
     # Triton's interpreter on the CPU has no bf16 for some of Liger's operations: the smoke run is fp32 there.
