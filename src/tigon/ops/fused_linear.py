@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tigon.ops._launch import host_sync_allowed
 from tigon.ops.fp8 import Fp8HeadMatmuls
@@ -236,3 +237,25 @@ def fused_linear_chunks(
                 grad_bias.add_(row_scale.to(logits.dtype) @ logits, alpha=matmul_scale)
     if grad_weight is not None:
         matmuls.finish_grad_weight(grad_weight, matmul_scale)
+
+
+class GradInputSum:
+    """All-reduces of ``grad_input [N, H]`` over ``group``, one per chunk, for a head split over
+    ranks (a vocabulary-parallel loss): :meth:`rows_written`, passed to :func:`fused_linear_chunks`
+    as ``grad_input_written``, starts a chunk's as soon as its rows are enqueued, so that the sum
+    runs under the next chunks' matmuls; :meth:`wait` joins them. Nothing is reduced for
+    ``grad_input=None``."""
+
+    def __init__(self, grad_input: torch.Tensor | None, group: dist.ProcessGroup):
+        self.grad_input, self.group, self.pending = grad_input, group, []
+
+    def rows_written(self, ranges: RowRanges) -> None:
+        if self.grad_input is not None:
+            self.pending += [
+                dist.all_reduce(self.grad_input[start:end], group=self.group, async_op=True) for start, end in ranges
+            ]
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -71,11 +71,15 @@ from tigon.ops.cross_entropy import (
     target_bounds,
     vocab_row_geometry,
 )
-from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, head_matmuls, new_grads, row_chunks
+from tigon.ops.fused_linear import (
+    GradInputSum,
+    chunk_rows_for,
+    fused_linear_chunks,
+    head_matmuls,
+    new_grads,
+    row_chunks,
+)
 from tigon.ops.fused_linear_preference import scaled_grads
-
-if TYPE_CHECKING:
-    from tigon.ops.vocab_parallel import VocabShard
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -550,6 +554,24 @@ def fused_linear_logprobs(input, weight, target, bias, ignore_index, temperature
 LogprobLoss = Callable[[slice, torch.Tensor], torch.Tensor]
 
 
+class VocabSlice(Protocol):
+    """What :class:`FusedLinearLogprobLossFunction` calls on a head sharded along the vocabulary.
+    :class:`~tigon.ops.vocab_parallel.VocabShard` is the one implementation; it builds on this
+    module's kernels, so this module describes it rather than import it."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def chunk_rows(self, n_rows: int, element_size: int, chunk_memory_bytes: int | None) -> int: ...
+
+    def logprob_fields(self, logits, target, ignore_index, transform, fields) -> None: ...
+
+    def logprob_grad(self, logits, target, ignore_index, transform, lse, grad_log_prob=None, grad_entropy=None,
+                     entropy=None) -> None: ...
+
+    def grad_input_sum(self, grad_input: torch.Tensor | None) -> GradInputSum: ...
+
+
 class FusedLinearLogprobLossFunction(torch.autograd.Function):
     """A loss of the per-token log-probs, with gradients computed in forward. Per chunk of at most
     ``chunk_memory_bytes`` of logits: the log-probs, then ``dL/dlogp`` by autograd through the
@@ -576,7 +598,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, loss_share, split_sequences, ignore_index, temperature,
-                chunk_memory_bytes, needs, shard: VocabShard | None = None, fp8: str | None = None):
+                chunk_memory_bytes, needs, shard: VocabSlice | None = None, fp8: str | None = None):
         n_sequences, seq_len = target.shape
         x2d, target_rows = as_rows(input), target.reshape(-1)
         n_rows = target_rows.numel()
@@ -672,7 +694,7 @@ class FusedLinearLogprobLossFunction(torch.autograd.Function):
 
 def fused_linear_logprob_loss(input, weight, target, bias, loss_share: LogprobLoss, split_sequences: bool,
                               ignore_index: int, temperature: float, chunk_memory_bytes: int | None,
-                              ids: tuple[str, torch.Tensor] | None = None, shard: VocabShard | None = None,
+                              ids: tuple[str, torch.Tensor] | None = None, shard: VocabSlice | None = None,
                               fp8: str | None = None):
     """``input [S, T, H]``, ``weight [V, H]``, ``target [S, T]`` → ``(loss, log_probs [S, T],
     entropy [S, T])``, fp32, the loss being the sum of ``loss_share`` over the chunks of

@@ -63,7 +63,7 @@ from tigon.ops.cross_entropy import (
     target_bounds,
     vocab_row_geometry,
 )
-from tigon.ops.fused_linear import chunk_rows_for, fused_linear_chunks, mean_scales, new_grads, row_chunks
+from tigon.ops.fused_linear import GradInputSum, chunk_rows_for, fused_linear_chunks, mean_scales, new_grads, row_chunks
 from tigon.ops.fused_linear_logprobs import (
     FIELDS,
     online_row_stats,
@@ -347,27 +347,6 @@ class VocabShard:
     def grad_input_sum(self, grad_input: torch.Tensor | None) -> GradInputSum:
         """The input's gradient summed over the ranks' slices chunk by chunk, when the op reduces it."""
         return GradInputSum(grad_input if self.reduce_grad_input else None, self.group)
-
-
-class GradInputSum:
-    """All-reduces of ``grad_input [N, H]`` over ``group``, one per chunk: :meth:`rows_written`
-    (a :func:`~tigon.ops.fused_linear.fused_linear_chunks` callback) starts a chunk's as soon as
-    its rows are enqueued, so that the sum runs under the next chunks' matmuls; :meth:`wait` joins
-    them. Nothing is reduced for ``grad_input=None``."""
-
-    def __init__(self, grad_input: torch.Tensor | None, group: dist.ProcessGroup):
-        self.grad_input, self.group, self.pending = grad_input, group, []
-
-    def rows_written(self, ranges) -> None:
-        if self.grad_input is not None:
-            self.pending += [
-                dist.all_reduce(self.grad_input[start:end], group=self.group, async_op=True) for start, end in ranges
-            ]
-
-    def wait(self) -> None:
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 def vocab_shard(weight: torch.Tensor, n_rows: int, group: dist.ProcessGroup, reduce_grad_input: bool) -> VocabShard:
