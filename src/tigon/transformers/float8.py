@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as nn_module
 
 from tigon.ops.fp8 import ALIGN, FORMATS, Fp8Cast, TensorwiseFp8LinearFunction
+from tigon.transformers.registry import tigon_class
 
 
 def is_float8_linear(module: torch.nn.Module) -> bool:
@@ -203,8 +204,6 @@ def adopt_float8_linears(model: torch.nn.Module) -> None:
     float8_linear = sys.modules.get("torchao.float8.float8_linear")
     if float8_linear is None:
         return
-    from tigon.transformers.patching import tigon_class
-
     for module in model.modules():
         if type(module) is float8_linear.Float8Linear:
             module.__class__ = tigon_class(float8_linear.Float8Linear, TigonFloat8Linear)

@@ -1,7 +1,7 @@
 """What replaces a Hugging Face layer: forwards by tigon over the layer's own parameters.
 
 Each replacement is a mixin placed in front of the Hugging Face class (see
-:func:`tigon.transformers.patching.tigon_class`), so the patched layer keeps the original
+:func:`tigon.transformers.registry.tigon_class`), so the patched layer keeps the original
 ``__init__``, parameter names, weight initialisation and ``isinstance`` checks; only ``forward``
 changes. Settings that differ between families (the RMSNorm offset, which gate kernel) are class
 attributes filled in from the family's row of :data:`tigon.transformers.families.FAMILIES`.

@@ -62,8 +62,8 @@ from tigon.transformers.causal_lm import (
 )
 from tigon.transformers.families import FAMILIES, SUPPORTED_RANGE, Family, Norm, Rope
 from tigon.transformers.lora import patch_peft, unpatch_peft
+from tigon.transformers.registry import tigon_class
 
-_DERIVED: dict[tuple[type, type], type] = {}
 _NORM_MIXINS = {"rms": layers.TigonRMSNorm, "rms_gated": layers.TigonGatedRMSNorm, "layer": layers.TigonLayerNorm}
 # The layer flags every patcher takes; a sub-row is applied when its flag is true.
 LAYER_FLAGS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu", "relu2", "experts")
@@ -100,15 +100,6 @@ ModelT = TypeVar("ModelT", bound=nn.Module)
 _PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
 _MODULE_PATCHES: dict[str, ModulePatch] = {}
 _ORIGINAL_ROPES: dict[tuple[str, str], Callable] = {}
-
-
-def tigon_class(original: type, mixin: type, **settings) -> type:
-    """``Tigon<Original>``: ``original`` with ``mixin``'s forward and ``settings`` as class
-    attributes, made once per pair so that instances patched twice share one class."""
-    if (original, mixin) not in _DERIVED:
-        attributes = {**settings, "tigon_replaces": original, "__module__": __name__}
-        _DERIVED[original, mixin] = type(f"Tigon{original.__name__}", (mixin, original), attributes)
-    return _DERIVED[original, mixin]
 
 
 class MissingInTransformersWarning(UserWarning):
