@@ -18,8 +18,8 @@ from tigon import functional as F
 from tigon.ops.fp8 import Fp8Cast
 from tigon.ops.gated import auto_tile_rows, gated_fp8
 from tigon.ops.rms_norm import rms_norm_fp8
+from tigon.transformers.adapters import mlp_projection
 from tigon.transformers.float8 import float8_cast, float8_down_projection, is_float8_linear, kernels_may_cast
-from tigon.transformers.lora import mlp_projection
 
 # Hugging Face activation names (``ACT2FN`` keys) that each gate kernel computes exactly.
 GATE_ACTIVATIONS = {
