@@ -40,6 +40,13 @@ def _inputs(shape, dtype, layout):
     return gate.requires_grad_(), up.requires_grad_()
 
 
+def _activations(*tensors):
+    """The tensors as an MLP's gates are, outputs of an op (here a multiplication by 1, which
+    keeps the layout): ``inplace_backward`` may not overwrite a leaf that requires grad, as
+    torch's in-place ops may not. Views of a tensor that does not require grad are kept."""
+    return tuple(t * 1 if t.is_leaf else t for t in tensors)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("layout", ["contiguous", "fused_halves", "transposed"])
@@ -65,7 +72,7 @@ def test_gated(gate_name, shape, dtype, layout):
 def test_inplace_backward_reuses_inputs(gate_name, layout):
     op = GATES[gate_name][0]
     shape, dtype = SHAPES[1], torch.bfloat16
-    gate, up = _inputs(shape, dtype, layout)
+    gate, up = _activations(*_inputs(shape, dtype, layout))
     dout = randn(*shape, dtype=dtype)
     expected = torch.autograd.grad(op(gate, up), (gate, up), dout)
     gate_ptr, up_ptr = gate.data_ptr(), up.data_ptr()
@@ -134,7 +141,7 @@ def test_gated_fp8_gradients_of_a_32_bit_gate_are_new_tensors():
 
 
 def test_inplace_backward_cannot_run_twice():
-    gate, up = _inputs(SHAPES[0], torch.float32, "contiguous")
+    gate, up = _activations(*_inputs(SHAPES[0], torch.float32, "contiguous"))
     out = tf.swiglu(gate, up, inplace_backward=True)
     out.sum().backward(retain_graph=True)
     # gate and up now hold gradients: autograd's version counter refuses to reuse them.
@@ -458,7 +465,7 @@ def test_relu2_degenerate_shapes(shape):
 
 
 def test_relu2_inplace_backward_reuses_input():
-    x = randn(*SHAPES[1], dtype=torch.bfloat16, requires_grad=True)
+    (x,) = _activations(randn(*SHAPES[1], dtype=torch.bfloat16, requires_grad=True))
     dout = randn(*SHAPES[1], dtype=torch.bfloat16)
     expected = torch.autograd.grad(tf.relu2(x), x, dout)[0]
     pointer = x.data_ptr()
@@ -513,19 +520,35 @@ def test_swiglu_clamped(shape, dtype, layout):
     assert_close(gate_up.grad, gate_up64.grad, dtype, "grad of gate_up")
 
 
-def test_swiglu_clamped_gradient_at_the_limits():
-    """torch.clamp's convention: the gradient passes where the input equals a limit and is exactly
-    zero beyond it, as autograd through the reference computes."""
+def _at_the_limits():
+    """``gate_up`` (interleaved) with gates and ups at, just past and inside the limits."""
     gate = torch.tensor([LIMIT, LIMIT + 1e-3, -50.0, 1.0, 1.0, 1.0, 1.0], device=DEVICE)
     up = torch.tensor([0.5, 0.5, 0.5, LIMIT, -LIMIT, LIMIT + 1e-3, -LIMIT - 1e-3], device=DEVICE)
-    gate_up = torch.stack((gate, up), dim=-1).flatten().requires_grad_()
+    return torch.stack((gate, up), dim=-1).flatten().requires_grad_()
+
+
+def test_swiglu_clamped_gradient_at_the_limits_is_the_installed_torchs():
+    """torch.clamp's convention, whichever the installed torch has (torch 2.13 passes the gradient
+    of an input equal to a limit, 2.14 stops it): as autograd through the reference computes."""
+    gate_up = _at_the_limits()
     (gate_up64,) = leaf_copies(gate_up)
     tf.swiglu_clamped(gate_up).sum().backward()
     reference.swiglu_clamped(gate_up64).sum().backward()
     assert_close(gate_up.grad, gate_up64.grad, torch.float32, "grad of gate_up")
+    x = torch.full((), LIMIT, requires_grad=True)
+    (clamp_grad,) = torch.autograd.grad(x.clamp(max=LIMIT), x)
+    assert gated_ops.clamp_passes_at_limit() == (clamp_grad == 1)
+
+
+@pytest.mark.parametrize("passes", [True, False], ids=["passes", "stops"])
+def test_swiglu_clamped_gradient_at_the_limits(monkeypatch, passes):
+    """Either rule at a limit; beyond it the gradient is exactly zero, inside it passes."""
+    monkeypatch.setattr(gated_ops, "clamp_passes_at_limit", lambda: passes)
+    gate_up = _at_the_limits()
+    tf.swiglu_clamped(gate_up).sum().backward()
     d_gate, d_up = gate_up.grad[0::2], gate_up.grad[1::2]
-    assert d_gate[0] != 0 and d_gate[1] == 0 and d_gate[2] != 0
-    assert d_up[3] != 0 and d_up[4] != 0 and d_up[5] == 0 and d_up[6] == 0
+    assert (d_gate[0] != 0) == passes and (d_up[3] != 0) == passes and (d_up[4] != 0) == passes
+    assert d_gate[1] == 0 and d_gate[2] != 0 and d_up[5] == 0 and d_up[6] == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -563,6 +586,7 @@ def test_swiglu_clamped_options_and_inplace_backward():
     assert_close(out, truth, torch.float32, "output")
     dout = randn(*out.shape)
     expected = torch.autograd.grad(out, gate_up, dout)[0]
+    (gate_up,) = _activations(gate_up)
     pointer = gate_up.data_ptr()
     (d_gate_up,) = torch.autograd.grad(tf.swiglu_clamped(gate_up, alpha=1.0, limit=3.0, inplace_backward=True), gate_up, dout)
     assert d_gate_up.data_ptr() == pointer and torch.equal(d_gate_up, expected)

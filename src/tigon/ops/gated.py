@@ -50,7 +50,9 @@ columns), clamps ``ĝ = min(gate, L)`` and ``û = clamp(up, −L, L)``, and comp
     d_gate = dout · (û + 1) · s·(1 + α·ĝ·(1 − s))  where gate ≤ L, else 0        s = σ(α·ĝ)
     d_up   = dout · ĝ · s                          where −L ≤ up ≤ L, else 0
 
-(``torch.clamp``'s gradient: zero outside the limits, passing at them). The math lives in
+(``torch.clamp``'s gradient: zero outside the limits. At a limit itself, the installed torch's
+rule: torch up to 2.13 passes the gradient there, torch 2.14 stops it, so ``≤`` above is ``<``
+under 2.14; :func:`clamp_passes_at_limit` asks torch once.) The math lives in
 :func:`swiglu_clamped_math` and :func:`swiglu_clamped_grads`, ``@triton.jit`` helpers on fp32
 tiles that a fused kernel (a MoE's expert MLP) calls on its own tiles.
 
@@ -197,6 +199,17 @@ def gated_bwd_kernel(
         tl.store(DOUT + rows * stride_dout + cols, (act * up).to(DOUT.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def clamp_passes_at_limit() -> bool:
+    """Whether the installed torch's ``torch.clamp`` passes the gradient of an input equal to a
+    (scalar) limit: yes up to torch 2.13, no from 2.14. Asked of torch once, on a CPU scalar
+    (launchers call it where autograd may be off: inside a backward, or under ``no_grad``)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones((), requires_grad=True)
+        (grad,) = torch.autograd.grad(x.clamp(max=1.0), x)
+    return bool(grad == 1)
+
+
 @triton.jit
 def swiglu_clamped_math(gate, up, alpha, limit):
     """GPT-OSS's clamped SwiGLU on fp32 tiles: ``(û + 1)·ĝ·σ(α·ĝ)`` with ``ĝ = min(gate, limit)``
@@ -208,16 +221,23 @@ def swiglu_clamped_math(gate, up, alpha, limit):
 
 
 @triton.jit
-def swiglu_clamped_grads(gate, up, dout, alpha, limit):
+def swiglu_clamped_grads(gate, up, dout, alpha, limit, PASS_AT_LIMIT: tl.constexpr):
     """``(d_gate, d_up, out)`` of :func:`swiglu_clamped_math` for the incoming gradient ``dout``
-    (fp32 tiles). A clamped input gets exactly 0, whatever ``dout`` holds, as from ``torch.clamp``."""
+    (fp32 tiles). A clamped input gets exactly 0, whatever ``dout`` holds, as from ``torch.clamp``;
+    an input equal to a limit passes its gradient where ``PASS_AT_LIMIT`` (:func:`clamp_passes_at_limit`)."""
     gate_c = tl.where(gate > limit, limit, gate)
     up_c = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
     s = tl.sigmoid(alpha * gate_c)
     glu = gate_c * s
+    if PASS_AT_LIMIT:
+        gate_passes = gate <= limit
+        up_passes = (up >= -limit) & (up <= limit)
+    else:
+        gate_passes = gate < limit
+        up_passes = (up > -limit) & (up < limit)
     # d(ĝ·σ(α·ĝ))/dĝ = s + ĝ·α·s·(1 − s): the derivative of g·σ(z(g)) with z' = α (module docstring).
-    d_gate = tl.where(gate <= limit, dout * (up_c + 1.0) * s * (1.0 + alpha * gate_c * (1.0 - s)), 0.0)
-    d_up = tl.where((up >= -limit) & (up <= limit), dout * glu, 0.0)
+    d_gate = tl.where(gate_passes, dout * (up_c + 1.0) * s * (1.0 + alpha * gate_c * (1.0 - s)), 0.0)
+    d_up = tl.where(up_passes, dout * glu, 0.0)
     return d_gate, d_up, (up_c + 1.0) * glu
 
 
@@ -251,14 +271,14 @@ def swiglu_clamped_bwd_kernel(
     n_rows, n_cols,
     stride_gate_up, stride_dout, stride_d_gate_up,
     alpha, limit,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PASS_AT_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # D_GATE_UP may be GATE_UP itself: each pair is loaded before its gradient is stored over it.
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
     pairs, pair_mask = _pair_tile(rows, cols, mask, stride_gate_up)
     gate, up = tl.split(tl.load(GATE_UP + pairs, mask=pair_mask, other=0.0).to(tl.float32))
     dout = tl.load(DOUT + rows * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
-    d_gate, d_up, _ = swiglu_clamped_grads(gate, up, dout, alpha, limit)
+    d_gate, d_up, _ = swiglu_clamped_grads(gate, up, dout, alpha, limit, PASS_AT_LIMIT)
     d_pairs, _ = _pair_tile(rows, cols, mask, stride_d_gate_up)
     tl.store(D_GATE_UP + d_pairs, tl.join(d_gate, d_up).to(D_GATE_UP.dtype.element_ty), mask=pair_mask)
 
@@ -501,7 +521,7 @@ def _launch_swiglu_clamped_bwd(dout, gate_up, d_gate_up, alpha, limit):
         n_rows, n_cols,
         gate_up.stride(0), dout.stride(0), d_gate_up.stride(0),
         alpha, limit,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        PASS_AT_LIMIT=clamp_passes_at_limit(), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
 
 

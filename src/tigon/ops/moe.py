@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from tigon.ops._launch import empty_tensor, interpreting, tigon_op
-from tigon.ops.gated import gate_activation, swiglu_clamped_grads, swiglu_clamped_math
+from tigon.ops.gated import clamp_passes_at_limit, gate_activation, swiglu_clamped_grads, swiglu_clamped_math
 
 GATES = ("swiglu", "geglu", "swiglu_clamped")
 _ACTIVATION = {"swiglu": "silu", "geglu": "gelu_tanh", "swiglu_clamped": "clamped"}
@@ -321,8 +321,9 @@ def moe_down_bwd_kernel(
     stride_dy, stride_we, stride_wk, stride_wn, stride_gu,
     LORA_U, LORA_A, n_rank, stride_u, stride_le, stride_lr, stride_ln,
     alpha, limit,
-    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LORA: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ACTIVATION: tl.constexpr, PASS_AT_LIMIT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_LORA: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # g = dy_t W2_e (+ u_r A2_e with an adapter on the down projection: u = s·dy_t B2_e, computed
     # before), then the gate's backward (module docstring).
@@ -353,7 +354,7 @@ def moe_down_bwd_kernel(
         up = tl.load(gu_ptrs + n_inter, mask=gu_mask, other=0.0).to(tl.float32)
     scale = tl.load(ROW_SCALE + rows, mask=row_mask, other=0.0)[:, None]
     if ACTIVATION == "clamped":
-        d_gate, d_up, h = swiglu_clamped_grads(gate, up, g * scale, alpha, limit)
+        d_gate, d_up, h = swiglu_clamped_grads(gate, up, g * scale, alpha, limit, PASS_AT_LIMIT)
     else:
         act, act_grad = gate_activation(gate, ACTIVATION)
         h = act * up
@@ -770,8 +771,8 @@ def moe_bwd(
         dy.stride(0), *layout.down_out_in, gate_up.stride(0),
         *lora_args,
         alpha, limit,
-        ACTIVATION=_ACTIVATION[gate], INTERLEAVED=interleaved, PRECISION=_precision(dy.dtype),
-        BLOCK_M=tiles["block_m"], **lora_options, **config,
+        ACTIVATION=_ACTIVATION[gate], PASS_AT_LIMIT=clamp_passes_at_limit(), INTERLEAVED=interleaved,
+        PRECISION=_precision(dy.dtype), BLOCK_M=tiles["block_m"], **lora_options, **config,
     )
     if u_down is not None and needs_d_lora:
         d_down_a = _weight_grad(u_down, wh, False, False, meta, down_lora_a, False, u_down.shape[1], n_inter, True)
