@@ -4,15 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # torch 2.13.0 takes the CPU build where no CUDA build is wanted; triton and transformers are
-# pinned to the versions of the GPU machine so both test the same thing.
-PINS := torch==2.13.0 triton==3.6.0
+# pinned to the versions of the GPU machine so both test the same thing; numpy below 2.4 for
+# Triton 3.6's interpreter (tigon._versions.check_interpreter_numpy).
+PINS := torch==2.13.0 triton==3.6.0 numpy<2.4
 
 .PHONY: check test typecheck bench demo docs wheel-check clean
 
 $(BIN)/tigon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(PINS)
+	$(BIN)/pip install --quiet $(foreach pin,$(PINS),'$(pin)')
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -42,7 +43,7 @@ docs: $(BIN)/mkdocs
 
 # The wheel as a user installs it, outside the checkout: build, install, check, bench, demo.
 wheel-check:
-	PYTHON=$(PYTHON) PINS="$(PINS)" .ci/wheel-check
+	PYTHON=$(PYTHON) PINS='$(PINS)' .ci/wheel-check
 
 clean:
 	rm -rf $(VENV)

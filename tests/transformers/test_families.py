@@ -2,6 +2,7 @@
 
 import functools
 import importlib
+import types
 import warnings
 
 import pytest
@@ -104,6 +105,13 @@ def family_params(model_types=tuple(FAMILIES), open_cases=None):
     return params
 
 
+def _calls(cls, name, function):
+    """Whether a method of ``cls`` reads ``function`` as its global ``name``."""
+    return any(
+        isinstance(value, types.FunctionType) and value.__globals__.get(name) is function for value in vars(cls).values()
+    )
+
+
 def assert_uses_tigon(model, model_type):
     """Every layer that the family's row (and its sub-models' rows) names is tigon's, at least one
     layer is, each rotary function is tigon's drop-in (but those the installed transformers lacks,
@@ -116,8 +124,18 @@ def assert_uses_tigon(model, model_type):
             original = getattr(original, "tigon_replaces", original)
             assert not any(type(layer) is original for layer in model.modules()), f"{row.name} not patched"
         for row in family.ropes:
-            if row.name not in MISSING.get(family.model_type, ()):
-                assert getattr(module, row.name) is patching.rope_drop_in(row), f"{row.name} not patched"
+            if row.name in MISSING.get(family.model_type, ()):
+                continue
+            # Each module calling the rotary function calls tigon's, through its own class.
+            drop_in = patching.rope_drop_in(row)
+            callers = {type(layer).__name__ for layer in model.modules() if _calls(type(layer), row.name, drop_in)}
+            assert callers, f"{row.name} not patched"
+            unpatched = [
+                layer for layer in model.modules()
+                if type(layer).__module__ == module.__name__
+                and patching.rotary_class(type(layer), module, ((row.name, drop_in),)) is not None
+            ]
+            assert not unpatched, f"{type(unpatched[0]).__name__} calls Hugging Face's {row.name}"
     assert any(hasattr(type(layer), "tigon_replaces") for layer in model.modules()), "no layer patched"
     if FAMILIES[model_type].head is not None:
         assert hasattr(model.forward, "tigon_wraps")

@@ -18,9 +18,11 @@ MoE experts as transformers' ``experts_implementation="tigon"`` (:mod:`tigon.tra
 which the patchers set on the MoE families' models. :func:`fit_checkpointing` spends the memory
 tigon frees on less recomputation (:mod:`tigon.transformers.checkpointing`).
 
-Supported and tested: transformers 5.6 to 5.24 (:data:`~tigon.transformers.families.SUPPORTED_RANGE`,
-``>=5.6,<5.25``); importing this package with another raises ``ImportError``. Where a supported
-version lacks a piece of a family's row, patching leaves that piece to Hugging Face and says so
+Supported: transformers 5.6 and newer; tested: 5.6 to 5.24 (:data:`~tigon.transformers.families.SUPPORTED_RANGE`,
+:data:`tigon._versions.TESTED`). Importing this package with an older transformers raises
+``ImportError``; a newer one gets an :class:`~tigon.UntestedVersionWarning` and is patched from the
+same table, as are PEFT and TRL newer than those tested. Where a version lacks a piece of a
+family's row, patching leaves that piece to Hugging Face and says so
 (:class:`~tigon.transformers.patching.MissingInTransformersWarning`).
 """
 
@@ -30,25 +32,28 @@ import difflib
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import transformers
-from packaging.version import Version
 
-from tigon.transformers.families import SUPPORTED_RANGE, SUPPORTED_VERSIONS
+from tigon._versions import TESTED, release, tested_range, warn_if_newer
 
 
 def check_transformers_version(version: str) -> None:
-    """Raise ``ImportError`` unless ``version`` (a transformers release) is in
-    :data:`~tigon.transformers.families.SUPPORTED_RANGE`, whose classes and functions the
-    families table names; a pre-release counts as its release."""
-    oldest, first_unsupported = SUPPORTED_VERSIONS
-    if not oldest <= Version(version).release[:2] < first_unsupported:
+    """Raise ``ImportError`` if ``version`` (a transformers release) is older than the oldest
+    release of :data:`~tigon.transformers.families.SUPPORTED_RANGE`, whose classes and functions
+    the families table names; warn (:class:`~tigon.UntestedVersionWarning`) if it is newer than
+    the newest tested. A pre-release counts as its release."""
+    if release(version) < TESTED["transformers"][0]:
+        oldest = ".".join(map(str, TESTED["transformers"][0]))
         raise ImportError(
-            f"tigon.transformers supports transformers {SUPPORTED_RANGE}, but transformers {version} is installed: "
-            f'pip install "transformers{SUPPORTED_RANGE}"'
+            f"tigon.transformers needs transformers {oldest} or newer (tested: {tested_range('transformers')}), "
+            f'but transformers {version} is installed: pip install "transformers>={oldest}"'
         )
+    warn_if_newer("transformers", version, stacklevel=3)
 
 
 # Before anything of transformers' internals is imported: an older one lacks some of them.
 check_transformers_version(transformers.__version__)
+warn_if_newer("peft")
+warn_if_newer("trl")
 
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 

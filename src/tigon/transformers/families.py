@@ -12,8 +12,8 @@ Vision-language models are composed: a row patches the layers of its own module,
 patched by it has every sub-model whose ``config.model_type`` has a row of its own (Llava's
 language model, Mistral 3's Pixtral vision tower) patched by that row as well.
 
-The table holds for every transformers of :data:`SUPPORTED_RANGE`. A piece of a row that a
-supported version lacks (a family newer than it, a class it names otherwise, a rotary function of
+The table holds for every transformers of :data:`SUPPORTED_RANGE`, and is applied to newer ones
+too. A piece of a row that a version lacks (a family newer than it, a class it names otherwise, a rotary function of
 another signature) is left unpatched with a warning when a patch is applied
 (:class:`tigon.transformers.patching.MissingInTransformersWarning`); a class renamed between
 supported versions is a row's ``former_names``.
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The transformers releases the table is tested with: 5.6 (LLaMA-Factory 0.9.5's newest) to 5.24,
-# as (major, minor) bounds, the upper one excluded, and as a pip specifier.
-SUPPORTED_VERSIONS = ((5, 6), (5, 25))
-SUPPORTED_RANGE = ">=5.6,<5.25"
+from tigon._versions import tested_range
+
+# The transformers releases the table is tested with (tigon._versions.TESTED): from 5.6 (LLaMA-Factory
+# 0.9.5's newest) to the newest that CI's newest-releases job passed.
+SUPPORTED_RANGE = tested_range("transformers")
 
 
 @dataclass(frozen=True)

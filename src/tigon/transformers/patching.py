@@ -12,8 +12,9 @@ Two ways, one table:
   sub-models of other families, changes class in place (``module.__class__``), keeping its
   parameters, device and dtype, and the model gets the wrapped ``forward`` as an instance
   attribute. The attention layers call the rotary function through their modeling module's
-  global name, so this path patches that module-level function as well: every model of the
-  family in the process then uses tigon's RoPE (same math).
+  global name: each attention instance of the model changes class too, to one whose methods run
+  with the module's globals but for tigon's rotary function (:func:`rotary_class`). Nothing of
+  the process changes: a model never patched, of the same family, stays Hugging Face's.
 
 Either way, each mixture-of-experts experts module that a row names is checked and its config's
 ``experts_implementation`` becomes ``"tigon"`` (:mod:`tigon.transformers.moe`): on a built model
@@ -29,8 +30,8 @@ the row is patched.
 Patches accumulate and are idempotent, and each has its inverse: :func:`unapply_tigon` gives a
 model back its own classes, forward, hooks and experts implementation; ``unapply_tigon_to_<family>()``
 gives a modeling module back its names and its head class its methods. What is shared by the whole
-process (a modeling module's rotary function, PEFT's ``lora.Linear.forward``) goes back once no
-patched model still alive and no patched module needs it.
+process (a patched modeling module's rotary function, PEFT's ``lora.Linear.forward``) goes back
+once no patched model still alive and no patched module needs it.
 """
 
 from __future__ import annotations
@@ -75,31 +76,36 @@ FLAG_DEFAULTS = {
 
 @dataclass
 class ModelPatch:
-    """What a patched model needs of the process: the modeling modules whose rotary function it
-    calls through tigon, and whether PEFT's LoRA layers go through tigon for it."""
+    """What a patched model needs of the process: whether PEFT's LoRA layers go through tigon for
+    it."""
 
-    rope_modules: set[str] = field(default_factory=set)
     lora: bool = False
 
 
 @dataclass
 class ModulePatch:
     """What ``apply_tigon_to_<family>()`` replaced: the modeling module's names and the head class's
-    methods as they were (``None``: the head class had none of its own), and what it needs of the
-    process, as :class:`ModelPatch`."""
+    methods as they were (``None``: the head class had none of its own), the modeling modules whose
+    rotary function it replaced (shared with the families of the same module), and what it needs of
+    the process, as :class:`ModelPatch`."""
 
     names: dict[str, Any] = field(default_factory=dict)
     head_methods: dict[str, Callable | None] = field(default_factory=dict)
+    rope_modules: set[str] = field(default_factory=set)
     needs: ModelPatch = field(default_factory=ModelPatch)
 
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 # Patched models alive (each holds its ModelPatch as ``tigon_patch``), patched modules by model
-# type, and the rotary functions tigon replaced, by (module name, function name).
+# type, and the rotary functions tigon replaced in modeling modules, by (module name, function name).
 _PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
 _MODULE_PATCHES: dict[str, ModulePatch] = {}
 _ORIGINAL_ROPES: dict[tuple[str, str], Callable] = {}
+# The globals a patched model's code of a modeling module runs with, and the classes running with
+# them, by the module's name and tigon's rotary functions (rotary_globals, rotary_class).
+_ROTARY_GLOBALS: dict[tuple[str, tuple], tuple[dict[str, Any], frozenset[str]]] = {}
+_ROTARY_CLASSES: dict[tuple[type, tuple], type | None] = {}
 
 
 class MissingInTransformersWarning(UserWarning):
@@ -112,7 +118,7 @@ def _warn_missing(family: Family, piece: str, unpatched: str, flag: str | None) 
     silence = f"; pass {flag}=False to patch without it" if flag else ""
     warnings.warn(
         f"tigon: {family.model_type!r} models keep Hugging Face's {unpatched}: transformers "
-        f"{transformers.__version__} {piece} (tigon supports transformers {SUPPORTED_RANGE}){silence}",
+        f"{transformers.__version__} {piece} (tigon is tested with transformers {SUPPORTED_RANGE}){silence}",
         MissingInTransformersWarning,
         stacklevel=3,
     )
@@ -212,6 +218,98 @@ def _experts_classes(family: Family, module, flags: dict[str, bool]) -> list[typ
     return [getattr(experts_class, "tigon_replaces", experts_class) for experts_class in found if experts_class]
 
 
+def _reads(code: types.CodeType, names: frozenset[str]) -> bool:
+    """Whether ``code``, or code nested in it (a comprehension, a local function), names one of
+    ``names`` (a global read; an attribute of that name counts too, which costs a needless copy at
+    most)."""
+    return not names.isdisjoint(code.co_names) or any(
+        isinstance(const, types.CodeType) and _reads(const, names) for const in code.co_consts
+    )
+
+
+def _copy(function: types.FunctionType, scope: dict[str, Any], closure: tuple | None) -> types.FunctionType:
+    """A copy of ``function`` that reads its globals from ``scope`` and closes over ``closure``."""
+    copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, closure)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+    copy.__module__, copy.__annotations__ = function.__module__, function.__annotations__
+    copy.__dict__.update(function.__dict__)
+    return copy
+
+
+def _rebound(value: Any, module_globals: dict[str, Any], scope: dict[str, Any], names: frozenset[str], depth: int = 0):
+    """``value`` reading ``scope`` in place of ``module_globals`` where it reads one of ``names``,
+    or ``None`` where it reads none: a function of the module is copied; a decorator's wrapper (up
+    to a few deep) is rebuilt around the rebound function it closes over."""
+    if not isinstance(value, types.FunctionType):
+        return None
+    if value.__globals__ is module_globals and _reads(value.__code__, names):
+        return _copy(value, scope, value.__closure__)
+    cells = value.__closure__ or ()
+    if depth == 3 or not cells:
+        return None
+    rebound = [
+        _rebound(cell.cell_contents, module_globals, scope, names, depth + 1) if _filled(cell) else None
+        for cell in cells
+    ]
+    if all(new is None for new in rebound):
+        return None
+    closure = tuple(cell if new is None else types.CellType(new) for cell, new in zip(cells, rebound))
+    return _copy(value, value.__globals__, closure)
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def rotary_globals(module, replacements: tuple[tuple[str, Callable], ...]) -> tuple[dict[str, Any], frozenset[str]]:
+    """``(globals, names)``: the globals that a patched model's code of modeling module ``module``
+    runs with, and the names in them that differ from the module's own. They are the module's names
+    (as they are when its first model is patched) with ``replacements`` (rotary function name,
+    tigon's drop-in) in place, and each function of the module that reaches one of them (Gemma 4's
+    ``apply_multidimensional_rope``) copied to read these globals."""
+    key = (module.__name__, replacements)
+    if key not in _ROTARY_GLOBALS:
+        module_globals = vars(module)
+        scope = {**module_globals, **dict(replacements)}
+        names = frozenset(name for name, _ in replacements)
+        grown = True
+        while grown:
+            grown = False
+            for name, value in module_globals.items():
+                copy = None if name in names else _rebound(value, module_globals, scope, names)
+                if copy is not None:
+                    scope[name], names, grown = copy, names | {name}, True
+        _ROTARY_GLOBALS[key] = scope, names
+    return _ROTARY_GLOBALS[key]
+
+
+def rotary_class(original: type, module, replacements: tuple[tuple[str, Callable], ...]) -> type | None:
+    """``Tigon<Original>``, ``original`` (an attention class, say) with each of its methods that
+    reaches a rotary function of ``module`` copied to run with :func:`rotary_globals`; ``None``
+    where ``original`` has no such method. Made once per class and replacements."""
+    key = (original, (module.__name__, replacements))
+    if key not in _ROTARY_CLASSES:
+        scope, names = rotary_globals(module, replacements)
+        methods, seen = {}, set()
+        for owner in original.__mro__:  # each name as the class resolves it
+            for name, value in vars(owner).items():
+                if name in seen:
+                    continue
+                seen.add(name)
+                copy = _rebound(value, vars(module), scope, names) if owner.__module__ == module.__name__ else None
+                if copy is not None:
+                    methods[name] = copy
+        _ROTARY_CLASSES[key] = methods and type(
+            f"Tigon{original.__name__}", (original,), {**methods, "tigon_replaces": original, "__module__": __name__}
+        ) or None
+    return _ROTARY_CLASSES[key]
+
+
 def _replace_rope(module, name: str, function: Callable) -> None:
     """``module.<name> = function``, keeping Hugging Face's function the first time."""
     current = getattr(module, name)
@@ -221,11 +319,11 @@ def _replace_rope(module, name: str, function: Callable) -> None:
 
 
 def _release_shared() -> None:
-    """Put back each rotary function and PEFT's LoRA forward that no patched model alive and no
-    patched module needs any more."""
+    """Put back each rotary function that no patched module needs any more, and PEFT's LoRA forward
+    once no patched model alive and no patched module needs it."""
     needs = [patch.needs for patch in _MODULE_PATCHES.values()]
     needs += [model.tigon_patch for model in _PATCHED_MODELS]
-    in_use = set().union(*(need.rope_modules for need in needs))
+    in_use = set().union(*(patch.rope_modules for patch in _MODULE_PATCHES.values()))
     for (module_name, name), original in list(_ORIGINAL_ROPES.items()):
         if module_name not in in_use:
             setattr(sys.modules[module_name], name, original)
@@ -234,9 +332,8 @@ def _release_shared() -> None:
         unpatch_peft()
 
 
-def _register_model(model, rope_modules: set[str], lora: bool) -> None:
+def _register_model(model, lora: bool) -> None:
     patch = vars(model).setdefault("tigon_patch", ModelPatch())
-    patch.rope_modules |= rope_modules
     patch.lora |= lora
     _PATCHED_MODELS.add(model)
 
@@ -259,15 +356,14 @@ def families_in(model, family: Family) -> list[Family]:
     return list(found.values())
 
 
-def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
+def patch_layers(model, family: Family, flags: dict[str, bool]) -> None:
     """Patch in place the layers of ``model`` that ``family`` and its sub-models' rows name: each
     norm and MLP instance changes class (``module.__class__``), keeping its parameters, device and
-    dtype, as does each torchao ``Float8Linear`` (:func:`~tigon.transformers.float8.adopt_float8_linears`);
-    each rotary function is replaced in its modeling module; each experts module runs on
-    tigon's experts kernel (its config's ``experts_implementation``). Returns the names of the
-    modeling modules whose rotary function now is tigon's."""
+    dtype, as does each torchao ``Float8Linear`` (:func:`~tigon.transformers.float8.adopt_float8_linears`)
+    and each module calling a rotary function of the rows (:func:`rotary_class`); each experts
+    module runs on tigon's experts kernel (its config's ``experts_implementation``)."""
     tigon_of = {}
-    rope_patches = []
+    rotary = []
     experts_classes = []
     norm_inputs = []
     for row_family in families_in(model, family):
@@ -275,9 +371,17 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
         class_patches = _class_patches(row_family, module, flags)
         tigon_of.update((original, tigon) for _, original, tigon in class_patches)
         norm_inputs.append(({tigon for _, _, tigon in class_patches}, row_family.norm_inputs))
-        rope_patches += [(module, name, function) for name, function in _rope_patches(row_family, module, flags)]
+        replacements = tuple(_rope_patches(row_family, module, flags))
+        if replacements:
+            rotary.append((module, replacements))
         experts_classes += _experts_classes(row_family, module, flags)
     changes = [(layer, tigon_of[type(layer)]) for layer in model.modules() if type(layer) in tigon_of]
+    for layer in model.modules():
+        original = getattr(type(layer), "tigon_replaces", type(layer))
+        changes += [
+            (layer, tigon) for module, replacements in rotary
+            if original.__module__ == module.__name__ and (tigon := rotary_class(original, module, replacements))
+        ]
     experts = [layer for layer in model.modules() if isinstance(layer, tuple(experts_classes))]
     # Every MLP and experts module is checked before any layer changes: a refused model is left as it was.
     for layer, tigon in changes:
@@ -287,14 +391,11 @@ def patch_layers(model, family: Family, flags: dict[str, bool]) -> set[str]:
         moe.experts_kernel(layer)
     for layer, tigon in changes:
         layer.__class__ = tigon
-    for module, name, function in rope_patches:
-        _replace_rope(module, name, function)
     for layer in experts:
         moe.use_tigon_experts(layer)
     float8.adopt_float8_linears(model)
     layers.follow_gradient_checkpointing(model)
     layers.link_norm_inputs(model, norm_inputs)
-    return {module.__name__ for module, _, _ in rope_patches}
 
 
 def unpatch_layers(model: nn.Module) -> None:
@@ -344,7 +445,8 @@ def apply_family(
             raise ValueError(f"tigon: model has model_type {model_type!r}, not {family.model_type!r}")
         if lora:
             patch_peft()
-        _register_model(hf_model, patch_layers(hf_model, family, flags), lora)
+        patch_layers(hf_model, family, flags)
+        _register_model(hf_model, lora)
         if loss is not None and head is not None and isinstance(hf_model, head):
             forward = wrap_causal_lm_forward(type(hf_model).forward, family, loss)
             hf_model.forward = types.MethodType(forward, hf_model)
@@ -365,7 +467,7 @@ def apply_family(
             setattr(module, row.name, tigon)
     for name, function in rope_patches:
         _replace_rope(module, name, function)
-        patch.needs.rope_modules.add(module.__name__)
+        patch.rope_modules.add(module.__name__)
     if head is not None:
         for name in ("forward", "post_init"):
             patch.head_methods.setdefault(name, vars(head).get(name))
@@ -425,7 +527,8 @@ def patch_after_init(post_init, family: Family, flags: dict[str, bool], loss: st
     @functools.wraps(post_init)
     def post_init_then_patch(self):
         post_init(self)
-        _register_model(self, patch_layers(self, family, flags), lora=False)
+        patch_layers(self, family, flags)
+        _register_model(self, lora=False)
         if loss == "fused_linear_cross_entropy":
             hook_head_loss(output_embeddings(self, family))
 
