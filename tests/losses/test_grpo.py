@@ -357,6 +357,19 @@ def test_optional_tensors_are_keyword_only():
         tl.FusedLinearGRPOLoss(0.1)
 
 
+def test_log_probs_by_position_name_the_keywords():
+    """Called as Liger's module is, (..., advantages, bias, ref, old) by position: the error names
+    the public class, what it takes by position and the keywords the rest go by."""
+    (x, weight, bias), rest, tensors, _ = _problem(CASES[0], torch.float32, with_ref=True)
+    extra = (bias, tensors["ref_per_token_logps"], tensors["old_per_token_logps"])
+    with pytest.raises(TypeError, match=(
+        r"^FusedLinearGRPOLoss takes 5 positional arguments \(input, weight, completion_ids, completion_mask, "
+        r"advantages\) but 8 were given; the others go by keyword: bias=, old_per_token_logps=, "
+        r"ref_per_token_logps=, num_items_in_batch=, process_group="
+    )):
+        tl.FusedLinearGRPOLoss(beta=0.1)(x, weight, *rest, *extra)
+
+
 def test_swapped_input_and_weight_are_named():
     (x, weight, _), rest, _, _ = _problem(CASES[0], torch.float32)
     with pytest.raises(ValueError, match=r"look swapped.*Did you pass \(weight, input\)\? tigon takes "

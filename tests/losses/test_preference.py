@@ -198,6 +198,22 @@ def test_optional_tensors_are_keyword_only():
         tl.FusedLinearDPOLoss(0.1)
 
 
+@pytest.mark.parametrize("loss_class", [tl.FusedLinearDPOLoss, tl.FusedLinearCPOLoss, tl.FusedLinearSimPOLoss,
+                                        tl.FusedLinearORPOLoss, tl.FusedLinearKTOLoss])
+def test_reference_tensors_by_position_name_the_keywords(loss_class):
+    """Called as Liger's modules are, the reference model's tensors by position: the error names
+    the public class, what it takes by position and the keywords, not a private forward."""
+    x, weight, target, b, ref, _ = _problem(CASES[0], torch.float32, reference_model=True)
+    labels = torch.arange(x.shape[0], device=DEVICE) % 2 == 0
+    main = (x, weight, target, labels) if loss_class is tl.FusedLinearKTOLoss else (x, weight, target)
+    positional = "input, weight, target, preference_labels" if len(main) == 4 else "input, weight, target"
+    extra = (b, ref["ref_input"], ref["ref_weight"], ref["ref_bias"])
+    message = (rf"^{loss_class.__name__} takes {len(main)} positional arguments \({positional}\) but "
+               rf"{len(main) + 4} were given; the others go by keyword: bias=, ref_input=, ref_weight=, ref_bias=")
+    with pytest.raises(TypeError, match=message):
+        loss_class()(*main, *extra)
+
+
 def test_swapped_input_and_weight_are_named():
     # Liger's preference losses take (lin_weight, _input, target).
     x, weight, target, _, _, _ = _problem(CASES[0], torch.float32)

@@ -60,6 +60,7 @@ from tigon._checks import (
     check_tensor,
     vocab_sharded_head,
 )
+from tigon.losses._module import KeywordTailLoss
 from tigon.ops.fp8 import RecipeName as Fp8Recipe
 from tigon.ops.fp8 import check_recipe
 from tigon.ops.fused_linear_logprobs import fused_linear_logprob_loss
@@ -352,7 +353,7 @@ def fused_linear_grpo(
     return loss, metrics
 
 
-class FusedLinearGRPOLoss(torch.nn.Module):
+class FusedLinearGRPOLoss(KeywordTailLoss):
     """:func:`fused_linear_grpo` with its options fixed: ``loss, metrics = loss_fn(input, weight,
     completion_ids, completion_mask, advantages, bias=..., old_per_token_logps=...,
     ref_per_token_logps=..., num_items_in_batch=...)``, everything after ``advantages``

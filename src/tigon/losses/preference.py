@@ -42,6 +42,7 @@ from tigon._checks import (
     check_shape,
     check_tensor,
 )
+from tigon.losses._module import KeywordTailLoss
 from tigon.ops.fused_linear_preference import SequenceLoss, fused_linear_preference, sequence_logps
 
 # (loss, metrics): the fp32 scalar loss and detached fp32 metrics.
@@ -349,7 +350,7 @@ def fused_linear_sequence_logps(
         return sequence_logps(input, weight, target, bias, ignore_index, chunk_memory_bytes)
 
 
-class _PreferenceLoss(torch.nn.Module):
+class _PreferenceLoss(KeywordTailLoss):
     """A module holding a loss's options."""
 
     def __init__(self, **options: Any) -> None:
