@@ -42,11 +42,58 @@ def test_rope_errors():
     _raises(ValueError, r"cos must be \[B or 1, T, rotary_dim\]", tf.rope, q, k, randn(1, 6, 4), sin)
 
 
+@pytest.mark.parametrize("table_shape", [(1, 6, 8), (6, 8)], ids=["[B, T, W]", "[T, W]"])
+def test_rope_names_the_b_t_h_d_layout(table_shape):
+    """q and k as the projections' [B, T, H, D]: the tables' T is their dimension 1, not 2, and
+    the error says so rather than blaming cos."""
+    q, k = randn(1, 6, 4, 8), randn(1, 6, 2, 8)
+    cos = sin = randn(*table_shape)
+    _raises(ValueError, r"^q and k look like \[B, T, H, D\]: got q \(1, 6, 4, 8\), k \(1, 6, 2, 8\), whose "
+            r"dimension 1 is cos's T = 6; rope takes \[B, H, T, D\]: pass q.transpose\(1, 2\) and "
+            r"k.transpose\(1, 2\)", tf.rope, q, k, cos, sin)
+    _raises(ValueError, r"^q looks like \[B, T, H, D\]: got q \(1, 6, 4, 8\)", tf.rope, q, None, cos, sin)
+    # Transposed as asked, the same tensors are accepted.
+    q_rot, k_rot = tf.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    assert q_rot.shape == (1, 4, 6, 8) and k_rot is not None and k_rot.shape == (1, 2, 6, 8)
+
+
 def test_gated_errors():
     _raises(ValueError, r"up must have shape \(3, 5\)", tf.swiglu, randn(3, 5), randn(3, 6))
     same = randn(3, 5)
     _raises(ValueError, r"inplace_backward=True needs gate and up in separate memory", tf.swiglu, same, same, inplace_backward=True)
     _raises(TypeError, r"gate has dtype torch.int32", tf.geglu, torch.ones(3, 5, dtype=torch.int32, device=DEVICE), randn(3, 5))
+
+
+def _inplace_calls():
+    """Each entry taking inplace_backward, as (name of the overwritten tensor, call on it)."""
+    other, weight = randn(3, 6), randn(4, 6)
+    target = torch.randint(0, 6, (3,), device=DEVICE)
+    return [
+        ("gate", lambda t: tf.swiglu(t, other, inplace_backward=True)),
+        ("up", lambda t: tf.geglu(other, t, inplace_backward=True)),
+        ("x", lambda t: tf.relu2(t, inplace_backward=True)),
+        ("gate_up", lambda t: tf.swiglu_clamped(t, inplace_backward=True)),
+        ("gate", lambda t: tf.swiglu_linear(t, other, weight, inplace_backward=True)),
+        ("up", lambda t: tf.geglu_linear(other, t, weight, inplace_backward=True)),
+        ("logits", lambda t: tf.cross_entropy(t, target, inplace_backward=True)),
+        ("logits", lambda t: tigon.nn.CrossEntropyLoss(inplace_backward=True)(t, target)),
+    ]
+
+
+def test_inplace_backward_refuses_a_leaf_that_requires_grad():
+    """As torch's in-place ops: a leaf that requires grad (or a view of one) is not overwritten;
+    an op's output is, and so is anything when no gradient is computed."""
+    for name, call in _inplace_calls():
+        leaf = randn(3, 6, requires_grad=True)
+        original = leaf.detach().clone()
+        _raises(RuntimeError, rf"^inplace_backward=True writes the gradient over {name}, but {name} is a leaf tensor "
+                r"that requires grad", call, leaf)
+        _raises(RuntimeError, rf"{name} is a view of a leaf tensor that requires grad", call, leaf.view(3, 6))
+        assert torch.equal(leaf.detach(), original)
+        with torch.no_grad():
+            call(leaf)
+        call(leaf.detach())
+        call(leaf * 1)
 
 
 def test_cross_entropy_errors():

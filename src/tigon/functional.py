@@ -249,6 +249,26 @@ def _check_rope_table(
     )
 
 
+def _check_rope_layout(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor) -> None:
+    """Name q and k given as the projections' ``[B, T, H, D]`` rather than ``[B, H, T, D]``. The
+    tables say which dimension is T (their second to last); when it is q's dimension 1 and not
+    its dimension 2 (nor, where given, k's), the layout is the transposed one, and the error
+    should not blame the tables. T equal to the head count cannot be told apart and is left to
+    the shape checks."""
+    if not isinstance(cos, torch.Tensor) or cos.dim() < 2:
+        return
+    seq_len = cos.shape[-2]
+    tensors = {"q": q} if k is None else {"q": q, "k": k}
+    if all(t.shape[1] == seq_len and t.shape[2] != seq_len for t in tensors.values()):
+        got = ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors.items())
+        subject = "q and k look" if k is not None else "q looks"
+        transposed = " and ".join(f"{name}.transpose(1, 2)" for name in tensors)
+        raise ValueError(
+            f"{subject} like [B, T, H, D]: got {got}, whose dimension 1 is cos's T = {seq_len}; rope takes "
+            f"[B, H, T, D]: pass {transposed} (read in place, no copy) and transpose the outputs back"
+        )
+
+
 def _check_mrope_section(mrope_section: Sequence[int], rotary_dim: int) -> tuple[int, int, int]:
     try:
         section = tuple(int(size) for size in mrope_section)
@@ -311,6 +331,8 @@ def rope(
     batch, q_heads, seq_len, head_dim = q.shape
     if k is not None:
         check_tensor("k", k, dim=4)
+    _check_rope_layout(q, k, cos)
+    if k is not None:
         check_same_dtype(q=q, k=k)
         if k.shape[0] != batch or k.shape[2] != seq_len or k.shape[3] != head_dim:
             raise ValueError(
@@ -345,6 +367,29 @@ def rope(
     return _rope.rope(q, k, cos, sin, variant)
 
 
+def _check_inplace_backward(inplace_backward: bool, **tensors: torch.Tensor) -> None:
+    """Refuse ``inplace_backward=True`` on a tensor it would overwrite that is a leaf requiring
+    grad (a parameter, an input made with ``requires_grad=True``) or a view of one: torch's
+    in-place ops refuse those, whose values the optimiser steps from and whose ``.grad`` would
+    alias them. Nothing is overwritten without a gradient to compute (grad mode off, or no input
+    requiring grad), so nothing is refused then either."""
+    if not (inplace_backward and torch.is_grad_enabled()):
+        return
+    for name, tensor in tensors.items():
+        base = tensor._base
+        if tensor.is_leaf and tensor.requires_grad:
+            what = "a leaf tensor"
+        elif base is not None and base.is_leaf and base.requires_grad and tensor.requires_grad:
+            what = "a view of a leaf tensor"
+        else:
+            continue
+        raise RuntimeError(
+            f"inplace_backward=True writes the gradient over {name}, but {name} is {what} that requires grad "
+            "(a parameter, or a tensor made with requires_grad=True), which torch's in-place operations refuse "
+            f"to overwrite; pass inplace_backward=False, or use it on an op's output (a projection's, a head's)"
+        )
+
+
 def _check_gated_args(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool) -> None:
     check_tensor("gate", gate)
     check_tensor("up", up)
@@ -353,6 +398,7 @@ def _check_gated_args(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bo
     check_same_device(gate=gate, up=up)
     if inplace_backward and gate is up:
         raise ValueError("inplace_backward=True needs gate and up in separate memory; got the same tensor for both")
+    _check_inplace_backward(inplace_backward, gate=gate, up=up)
 
 
 @on_local_shards(GATE)
@@ -363,7 +409,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
         gate, up: one shape ``[...]`` and dtype.
         inplace_backward: when True, the backward overwrites ``gate`` and ``up`` with their
             gradients, which saves two ``[..., I]`` buffers. Only valid when nothing else uses
-            ``gate`` or ``up`` afterwards, as inside an MLP that owns them.
+            ``gate`` or ``up`` afterwards, as inside an MLP that owns them; a leaf that requires
+            grad (or a view of one) is refused, as by torch's in-place operations.
     Returns the same shape and dtype.
     """
     _check_gated_args(gate, up, inplace_backward)
@@ -398,6 +445,7 @@ def relu2(x: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     Returns the same shape and dtype.
     """
     check_tensor("x", x)
+    _check_inplace_backward(inplace_backward, x=x)
     return _gated.relu2(x, bool(inplace_backward))
 
 
@@ -430,6 +478,7 @@ def swiglu_clamped(
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
     if not (isinstance(limit, (int, float)) and limit > 0):
         raise ValueError(f"limit must be a number > 0, got {limit!r}")
+    _check_inplace_backward(inplace_backward, gate_up=gate_up)
     return _gated.swiglu_clamped(gate_up, float(alpha), float(limit), bool(inplace_backward))
 
 
@@ -869,7 +918,8 @@ def cross_entropy(
             it, for logging: it carries no gradient of its own).
         inplace_backward: write the gradient into ``logits``' storage during the forward pass,
             so the loss costs no extra ``[N, V]`` memory. ``logits`` must then not be used
-            afterwards (its values are overwritten) nor be needed by another op's backward.
+            afterwards (its values are overwritten) nor be needed by another op's backward, nor be
+            a leaf that requires grad (refused, as by torch's in-place operations).
     Returns: the loss (fp32; a scalar, or ``[...]`` for ``reduction="none"``), and the z-loss
     when ``return_z_loss``.
     """
@@ -877,6 +927,7 @@ def cross_entropy(
     _check_target(target, tuple(logits.shape[:-1]), "the leading dimensions of logits")
     check_same_device(logits=logits, target=target)
     _check_loss_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    _check_inplace_backward(inplace_backward, logits=logits)
     return _cross_entropy.cross_entropy(
         logits, target, ignore_index, reduction, float(label_smoothing), float(lse_square_scale),
         None if softcap is None else float(softcap), bool(return_z_loss), bool(inplace_backward),

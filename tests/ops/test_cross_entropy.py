@@ -45,6 +45,13 @@ def _check(logits, target, dtype, grad_output=None, **options):
     """
     inplace = options.pop("inplace_backward", False)
     (logits64,) = leaf_copies(logits)
+    if inplace and logits.is_leaf:
+        # inplace_backward may not overwrite a leaf that requires grad; in a model the logits are
+        # the head's output: here that of a multiplication by 1.
+        logits = logits * 1
+    grads = []
+    # Before the call: a view's hook registered after its in-place write would see another grad_fn.
+    logits.register_hook(grads.append)
     out = tf.cross_entropy(logits, target, inplace_backward=inplace, **options)
     # The reference (PyTorch's cross entropy) takes int64 targets only.
     truth = reference.cross_entropy(logits64, target.long(), **options)
@@ -58,11 +65,9 @@ def _check(logits, target, dtype, grad_output=None, **options):
 
     if grad_output is None and out.dim() > 0:
         grad_output = torch.randn_like(out)
-    grads = []
-    logits.register_hook(grads.append)
     out.backward(grad_output)
     truth.backward(None if grad_output is None else grad_output.to(truth.dtype))
-    assert_close(logits.grad, logits64.grad, dtype, "grad of logits")
+    assert_close(grads[0], logits64.grad, dtype, "grad of logits")
     return out, grads[0]
 
 
@@ -124,7 +129,8 @@ def test_grad_output_broadcast_per_token(inplace):
     logits = randn(*shape, requires_grad=True)
     target = _targets(shape[:-1], shape[-1])
     (logits64,) = leaf_copies(logits)
-    (tf.cross_entropy(logits, target, reduction="none", inplace_backward=inplace).sum() * 2.5).backward()
+    # The logits an op's output (times 1), as in a model: inplace_backward may not overwrite a leaf.
+    (tf.cross_entropy(logits * 1, target, reduction="none", inplace_backward=inplace).sum() * 2.5).backward()
     (reference.cross_entropy(logits64, target, reduction="none").sum() * 2.5).backward()
     assert_close(logits.grad, logits64.grad, torch.float32, "grad of logits")
 
@@ -134,10 +140,11 @@ def test_inplace_reuses_logits_storage(layout):
     shape = SHAPES[2]
     if layout == "strided_rows":
         # Rows of a wider buffer (a padded vocabulary): the gradient lands in those rows.
-        buffer = randn(*shape[:-1], shape[-1] + 8, dtype=torch.bfloat16)
-        logits = buffer[..., 3 : 3 + shape[-1]].requires_grad_()
+        # The buffer is an op's output (a multiplication by 1): a leaf may not be overwritten.
+        buffer = randn(*shape[:-1], shape[-1] + 8, dtype=torch.bfloat16, requires_grad=True) * 1
+        logits = buffer[..., 3 : 3 + shape[-1]]
     else:
-        logits = randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+        logits = randn(*shape, dtype=torch.bfloat16, requires_grad=True) * 1
     target = _targets(shape[:-1], shape[-1])
     _, grad = _check(logits, target, torch.bfloat16, reduction="mean", inplace_backward=True)
     assert grad.data_ptr() == logits.data_ptr()
@@ -178,7 +185,7 @@ def test_all_ignored_batch_matches_pytorch(reduction, inplace):
     (logits64,) = leaf_copies(logits)
     target = torch.full(shape[:-1], -100, device=DEVICE)
     loss, z_loss = tf.cross_entropy(
-        logits, target, reduction=reduction, lse_square_scale=1e-3, return_z_loss=True, inplace_backward=inplace,
+        logits * 1, target, reduction=reduction, lse_square_scale=1e-3, return_z_loss=True, inplace_backward=inplace,
     )
     truth = torch.nn.functional.cross_entropy(logits64, target, reduction=reduction)
     assert torch.equal(loss.isnan(), truth.isnan()) and loss.isnan().all() == (reduction == "mean")
@@ -196,7 +203,7 @@ def test_all_ignored_sum_over_zero_items_has_zero_gradient(inplace):
     logits = randn(*shape, requires_grad=True)
     (logits64,) = leaf_copies(logits)
     target = torch.full(shape[:-1], -100, device=DEVICE)
-    (tf.cross_entropy(logits, target, reduction="sum", inplace_backward=inplace) / torch.tensor(0)).backward()
+    (tf.cross_entropy(logits * 1, target, reduction="sum", inplace_backward=inplace) / torch.tensor(0)).backward()
     (torch.nn.functional.cross_entropy(logits64, target, reduction="sum") / torch.tensor(0)).backward()
     assert not logits64.grad.any() and not logits.grad.any()
 
@@ -271,7 +278,7 @@ def test_unchecked_out_of_range_targets_are_ignored(monkeypatch, reduction, inpl
     results = []
     for target in (out_of_range, ignored):
         leaf = logits.clone().requires_grad_()
-        loss = tf.cross_entropy(leaf, target, reduction=reduction, label_smoothing=0.1, inplace_backward=inplace)
+        loss = tf.cross_entropy(leaf * 1, target, reduction=reduction, label_smoothing=0.1, inplace_backward=inplace)
         loss.backward(grad_output)
         results.append((loss.detach(), leaf.grad))
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
@@ -329,8 +336,13 @@ def test_module_leaves_logits_unless_asked():
     second = tigon.nn.CrossEntropyLoss()(logits, target)
     assert torch.equal(logits.detach(), original)
     assert torch.equal(first, second)
-    tigon.nn.CrossEntropyLoss(inplace_backward=True)(logits, target)
-    assert not torch.equal(logits.detach(), original)
+    # The opt-in overwrites an op's output (the head's), never a leaf that requires grad.
+    with pytest.raises(RuntimeError, match="inplace_backward=True writes the gradient over logits"):
+        tigon.nn.CrossEntropyLoss(inplace_backward=True)(logits, target)
+    assert torch.equal(logits.detach(), original)
+    activation = logits * 1
+    tigon.nn.CrossEntropyLoss(inplace_backward=True)(activation, target)
+    assert not torch.equal(activation.detach(), original)
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -257,7 +257,7 @@ def test_gated_linear(gate_name, layout, bias, dtype):
 
 def test_gated_linear_keeps_no_product():
     """Saved for backward: gate, up and the weight, not the [N, I] product a separate linear keeps."""
-    gate, up = _inputs((40, 96), torch.float32, "contiguous")
+    gate, up = _activations(*_inputs((40, 96), torch.float32, "contiguous"))
     weight = randn(24, 96, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -278,6 +278,31 @@ def test_mlp_calls_a_hooked_down_proj():
     calls = []
     mlp.down_proj.register_forward_hook(lambda module, args, out: calls.append(out))
     assert torch.allclose(mlp(x), fused, rtol=1e-5, atol=1e-6) and len(calls) == 1
+
+
+@pytest.mark.parametrize("mlp_name, config_class, activation", [
+    ("swiglu", "LlamaConfig", "silu"), ("geglu", "GemmaConfig", "gelu_pytorch_tanh"),
+    ("geglu", "Gemma2Config", "gelu_pytorch_tanh"),
+])
+def test_mlp_takes_a_hugging_face_config(mlp_name, config_class, activation):
+    """``SwiGLUMLP(config)`` as ``LlamaMLP(config)`` (and Liger's MLPs): the sizes, the bias and
+    the activation read from the config; an activation the gate does not compute is refused."""
+    transformers = pytest.importorskip("transformers")
+    mlp_class = MLPS[mlp_name][0]
+    config = getattr(transformers, config_class)(hidden_size=32, intermediate_size=48)
+    mlp = mlp_class(config, device=DEVICE)
+    assert (mlp.hidden_size, mlp.intermediate_size) == (32, 48)
+    assert mlp.gate_proj.weight.shape == (48, 32) and mlp.down_proj.bias is None
+    assert (getattr(config, "hidden_activation", None) or config.hidden_act) == activation
+    if hasattr(config, "mlp_bias"):
+        config.mlp_bias = True
+        assert all(getattr(mlp_class(config), name).bias is not None for name in ("gate_proj", "up_proj", "down_proj"))
+    other = next(name for name in MLPS if name != mlp_name)
+    with pytest.raises(ValueError, match=rf"^{MLPS[other][0].__name__} computes .* but the config's activation is "
+                                         rf"'{activation}'"):
+        MLPS[other][0](config)
+    with pytest.raises(TypeError, match=rf"{mlp_class.__name__} takes \(hidden_size, intermediate_size\)"):
+        mlp_class(32)
 
 
 def test_gated_linear_bad_weight_is_named():

@@ -52,13 +52,19 @@ def _standard_table(module) -> OpTable:
 
 def _tigon() -> OpTable:
     import tigon.functional as tf
+    from tigon.ops import cross_entropy as ops_cross_entropy
+    from tigon.ops import gated as ops_gated
 
     table = _standard_table(tf)
     # As tigon's modules call them: gradients written over the inputs' storage (the gated MLPs' gate
-    # and up projections, the loss's logits), which nothing else reads afterwards.
-    table["cross_entropy"] = lambda a: tf.cross_entropy(a["logits"], a["target"], inplace_backward=True)
-    table["swiglu"] = lambda a: tf.swiglu(a["gate"], a["up"], inplace_backward=True)
-    table["geglu"] = lambda a: tf.geglu(a["gate"], a["up"], inplace_backward=True)
+    # and up projections, the loss's logits), which nothing else reads afterwards. The bench's inputs
+    # are leaves that require grad, which tigon.functional refuses to overwrite (as torch's in-place
+    # ops do): these call the ops behind it, with the functions' default options.
+    table["cross_entropy"] = lambda a: ops_cross_entropy.cross_entropy(
+        a["logits"], a["target"], -100, "mean", 0.0, 0.0, None, False, True,
+    )
+    table["swiglu"] = lambda a: ops_gated.swiglu(a["gate"], a["up"], True)
+    table["geglu"] = lambda a: ops_gated.geglu(a["gate"], a["up"], True)
     # As tigon.trl runs SFT: its mean NLL's gradient, the same for every token, computed in forward.
     table["fused_linear_logprobs_sft"] = lambda a: tf.fused_linear_logprobs(
         a["input"], a["weight"], a["target"], outputs=("log_probs", "entropy", "is_top1"), grad_in_forward=True,

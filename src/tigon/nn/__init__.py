@@ -129,17 +129,51 @@ class _GatedMLP(nn.Module):
 
     _gate: Callable[..., torch.Tensor]
     _gate_linear: Callable[..., torch.Tensor]
+    # The Hugging Face activation names (``ACT2FN`` keys) that the gate computes exactly.
+    activations: tuple[str, ...]
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        self, hidden_size: int | Any, intermediate_size: int | None = None, bias: bool | None = None,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ) -> None:
+        """``(hidden_size, intermediate_size, bias=False)``, or a Hugging Face config as the Hugging
+        Face MLPs (and Liger-Kernel's) take it: its ``hidden_size``, ``intermediate_size``,
+        ``mlp_bias`` (``False`` if absent; ``bias`` overrides it) and activation
+        (``hidden_activation`` or ``hidden_act``), which must be one the gate computes."""
+        if not isinstance(hidden_size, int):
+            hidden_size, intermediate_size, bias = self._from_config(hidden_size, intermediate_size, bias)
+        elif intermediate_size is None:
+            raise TypeError(
+                f"{type(self).__name__} takes (hidden_size, intermediate_size) or a Hugging Face config; "
+                f"got hidden_size={hidden_size} and no intermediate_size"
+            )
+        bias = bool(bias)
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias, device, dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias, device, dtype)
+
+    @classmethod
+    def _from_config(cls, config: Any, intermediate_size: int | None, bias: bool | None) -> tuple[int, int, bool]:
+        """``(hidden_size, intermediate_size, bias)`` read from a Hugging Face config."""
+        name = cls.__name__
+        hidden, intermediate = getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None)
+        if intermediate_size is not None:
+            raise TypeError(f"{name}(config) reads intermediate_size from the config; got intermediate_size too")
+        if not (isinstance(hidden, int) and isinstance(intermediate, int)):
+            got = f"hidden_size={hidden!r}, intermediate_size={intermediate!r}"
+            raise TypeError(
+                f"{name} takes (hidden_size, intermediate_size) as ints or a Hugging Face config whose hidden_size "
+                f"and intermediate_size are ints; got a {type(config).__name__} with {got}"
+            )
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if activation is not None and activation not in cls.activations:
+            raise ValueError(
+                f"{name} computes {' / '.join(cls.activations)}, but the config's activation is {activation!r}"
+            )
+        return hidden, intermediate, bool(getattr(config, "mlp_bias", False) if bias is None else bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The projections' outputs are seen by nothing else, so their gradients may overwrite them.
@@ -150,15 +184,19 @@ class _GatedMLP(nn.Module):
 
 
 class SwiGLUMLP(_GatedMLP):
-    """Llama-style MLP: ``down_proj(silu(gate_proj(x)) · up_proj(x))``."""
+    """Llama-style MLP: ``down_proj(silu(gate_proj(x)) · up_proj(x))``; ``SwiGLUMLP(config)`` takes
+    a Hugging Face config as ``LlamaMLP(config)`` does."""
 
+    activations = ("silu", "swish")
     _gate = staticmethod(F.swiglu)
     _gate_linear = staticmethod(F.swiglu_linear)
 
 
 class GeGLUMLP(_GatedMLP):
-    """Gemma-style MLP: ``down_proj(gelu_tanh(gate_proj(x)) · up_proj(x))``."""
+    """Gemma-style MLP: ``down_proj(gelu_tanh(gate_proj(x)) · up_proj(x))``; ``GeGLUMLP(config)``
+    takes a Hugging Face config as ``GemmaMLP(config)`` does."""
 
+    activations = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh")
     _gate = staticmethod(F.geglu)
     _gate_linear = staticmethod(F.geglu_linear)
 
