@@ -26,6 +26,13 @@ def _cpu_cores() -> int:
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_make_parametrize_id(config, val, argname):
+    """A dtype parameter's id is its name (``float32``, ``bfloat16``), so that ``-k`` can pick them."""
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    return None
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per CPU core without a GPU; with one, a single process (0), as the
     GPU tests' shapes are sized for the whole device."""

@@ -88,10 +88,13 @@ FP32_MOVES = 3
 def moved_by_fp32_rounding(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """fp64 copies of ``weights``, each entry moved by one fp32 unit roundoff (times ``1 ± 2^-24``,
     the sign drawn from ``seed``)."""
-    generator = torch.Generator().manual_seed(seed)
-    moved = {}
+    moved, generators = {}, {}
     for name, weight in weights.items():
-        signs = torch.randint(0, 2, weight.shape, generator=generator).to(weight.device) * 2 - 1
+        # Drawn where the weight is: on the GPU's models (100M parameters for GLM-4.5V-MoE's) the
+        # host would spend seconds per replay drawing and copying the signs.
+        if weight.device not in generators:
+            generators[weight.device] = torch.Generator(weight.device).manual_seed(seed)
+        signs = torch.randint(0, 2, weight.shape, generator=generators[weight.device], device=weight.device) * 2 - 1
         moved[name] = weight.double() * (1 + 2.0**-24 * signs)
     return moved
 

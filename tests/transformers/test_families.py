@@ -105,11 +105,29 @@ def family_params(model_types=tuple(FAMILIES), open_cases=None):
     return params
 
 
+def _reads(value, name, function, depth=0):
+    """Whether ``value`` is a function reading ``function`` as its global ``name``, or a decorator's
+    wrapper of one, up to three deep (transformers 5.24 wraps the attention layers' forward in
+    deprecate_kwarg)."""
+    if not isinstance(value, types.FunctionType) or depth > 3:
+        return False
+    if value.__globals__.get(name) is function:
+        return True
+    cells = [cell.cell_contents for cell in value.__closure__ or () if cell_filled(cell)]
+    return any(_reads(content, name, function, depth + 1) for content in cells)
+
+
+def cell_filled(cell):
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 def _calls(cls, name, function):
     """Whether a method of ``cls`` reads ``function`` as its global ``name``."""
-    return any(
-        isinstance(value, types.FunctionType) and value.__globals__.get(name) is function for value in vars(cls).values()
-    )
+    return any(_reads(value, name, function) for value in vars(cls).values())
 
 
 def assert_uses_tigon(model, model_type):

@@ -310,12 +310,16 @@ def test_instance_patch_leaves_other_models_alone(model_type):
     assert relative_error(first_loss(patched), truth) < 1e-5
 
 
-def test_instance_patch_calls_tigons_rotary_function_in_each_attention_layer():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_instance_patch_calls_tigons_rotary_function_in_each_attention_layer(compiled):
+    # Compiled too: dynamo reads a function's globals from the module they name, if they name one.
     model = apply_tigon(tiny_model("llama"))
-    scope = type(model.model.layers[0].self_attn).forward.__globals__
-    assert scope is not vars(llama_module)
-    tigon_rope, calls = scope["apply_rotary_pos_emb"], []
-    assert tigon_rope is layers.ROPE_FORMS["rotate_half"]
+    if compiled:
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="eager")
+    tigon_rope, calls = layers.ROPE_FORMS["rotate_half"], []
+    scope, _ = patching.rotary_globals(llama_module, (("apply_rotary_pos_emb", tigon_rope),))
+    assert scope is not vars(llama_module) and scope["apply_rotary_pos_emb"] is tigon_rope
     try:
         scope["apply_rotary_pos_emb"] = lambda *args: calls.append(1) or tigon_rope(*args)
         first_loss(model)

@@ -276,6 +276,10 @@ def rotary_globals(module, replacements: tuple[tuple[str, Callable], ...]) -> tu
     if key not in _ROTARY_GLOBALS:
         module_globals = vars(module)
         scope = {**module_globals, **dict(replacements)}
+        # Without a module name: torch.compile reads the globals of a function whose globals name
+        # a module from that module (Hugging Face's rotary function), and from the dict itself
+        # only when they name none.
+        del scope["__name__"]
         names = frozenset(name for name, _ in replacements)
         grown = True
         while grown:
