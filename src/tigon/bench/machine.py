@@ -29,13 +29,14 @@ DISTRIBUTIONS = (
 def require_modules(command: str, modules: Mapping[str, str]) -> None:
     """Exit, before any training or timing, with one line naming the modules of ``modules`` (each
     mapped to the extra of tigon that installs it) that are missing and the command installing
-    them; rather than a traceback once the work is done and the results are plotted."""
+    them (by name: tigon is installed from a checkout or a wheel, not from the index); rather than a
+    traceback once the work is done and the results are plotted."""
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
         extras = ",".join(dict.fromkeys(modules[name] for name in missing))
         raise SystemExit(
-            f"{command} needs {', '.join(missing)}, not installed here: pip install \"tigon[{extras}]\" "
-            f"(in a checkout: pip install -e \".[{extras}]\")"
+            f"{command} needs {', '.join(missing)}, not installed here: pip install {' '.join(missing)} "
+            f"(tigon's {extras} extra; in a checkout: pip install -e \".[{extras}]\")"
         )
 
 
