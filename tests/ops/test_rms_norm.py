@@ -1,3 +1,5 @@
+import inspect
+
 import pytest
 import torch
 
@@ -251,10 +253,16 @@ def _hf_gated_norms():
             lambda hidden: dict(group_size=hidden // n_groups, norm_before_gate=norm_before_gate, casting_mode="gemma"),
         )
 
+    def mamba2(hidden):
+        # transformers 5.24 added group_size before eps: one group, the whole row, as before it.
+        if "group_size" in inspect.signature(MambaRMSNormGated).parameters:
+            return MambaRMSNormGated(hidden, group_size=hidden, eps=1e-6)
+        return MambaRMSNormGated(hidden, eps=1e-6)
+
     return [
         ("qwen3_next", lambda hidden: Qwen3NextRMSNormGated(hidden, 1e-6), lambda hidden: {}),
         *(falcon(n_groups, before) for n_groups in (1, 4) for before in (True, False)),
-        ("mamba2", lambda hidden: MambaRMSNormGated(hidden, 1e-6), lambda hidden: dict(norm_before_gate=False)),
+        ("mamba2", mamba2, lambda hidden: dict(norm_before_gate=False)),
         (
             "zamba2", lambda hidden: Zamba2RMSNormGated(hidden, hidden // 4, 1e-6),
             lambda hidden: dict(group_size=hidden // 4, norm_before_gate=False),
