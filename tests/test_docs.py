@@ -7,8 +7,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a user is told to run: the changelog, which quotes what was wrong, is not.
 TEXTS = sorted(
-    [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").rglob("*.yml"), *(ROOT / "examples").rglob("*.py")]
+    path
+    for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "examples").rglob("*.yml"),
+                 *(ROOT / "examples").rglob("*.py")]
+    if path.name != "changelog.md"
 )
 
 

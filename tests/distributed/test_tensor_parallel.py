@@ -59,7 +59,8 @@ def records(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("tp, case", RUNS)
 def test_matches_one_process(records, tp, case, reference):
     run, truth = records[tp][case], records["one"][reference]
-    assert run["classes"] == records["one"]["tigon"]["classes"] == ["TigonLlamaMLP", "TigonLlamaRMSNorm"]
+    expected = ["TigonLlamaAttention", "TigonLlamaMLP", "TigonLlamaRMSNorm"]
+    assert run["classes"] == records["one"]["tigon"]["classes"] == expected
     # Logits are returned where the loss is over them: tigon's cross entropy, or the model's own
     # where tigon leaves a replicated DTensor head to it (saying so once).
     assert run["fused_loss"] == (case not in ("auto-cross-entropy", "auto-replicated-head"))
