@@ -39,7 +39,7 @@ def test_version_names_the_integrations_without_importing_them(capsys, monkeypat
             raise importlib.metadata.PackageNotFoundError(distribution)
         return version(distribution)
 
-    monkeypatch.setattr(cli.metadata, "version", without_bitsandbytes)
+    monkeypatch.setattr(importlib.metadata, "version", without_bitsandbytes)
     assert tigon_command(["--version"]) == 0
     out = capsys.readouterr().out
     for name in ("transformers", "peft", "trl", "accelerate", "deepspeed", "torchao"):

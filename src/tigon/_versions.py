@@ -56,12 +56,13 @@ def warn_if_newer(package: str, version: str | None = None, stacklevel: int = 2)
     """Warn (:class:`UntestedVersionWarning`) if ``package`` at ``version`` (default: the installed
     one) is newer than the newest release tigon is tested with; returns whether it warned."""
     version = version if version is not None else installed_version(package)
-    if version is None or release(version) <= TESTED[package][1]:
+    newest = TESTED[package][1]
+    if version is None or release(version) <= newest:
         return False
     warnings.warn(
         f"tigon is tested with {package} {tested_range(package)}, and {package} {version} is installed: "
         f"tigon runs with it, but unchecked; if something fails, install {package} "
-        f"{tested_range(package).split(' to ')[1]} and report the failure with `tigon --version`",
+        f"{newest[0]}.{newest[1]} and report the failure with `tigon --version`",
         UntestedVersionWarning,
         stacklevel=stacklevel + 1,
     )

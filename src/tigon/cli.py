@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-from importlib import metadata
 from pathlib import Path
 
 
@@ -62,13 +61,6 @@ COMMANDS = {
 INTEGRATIONS = ("transformers", "peft", "trl", "accelerate", "deepspeed", "torchao", "bitsandbytes")
 
 
-def _installed_version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def version_line() -> str:
     """tigon's version and folder with Python's, torch's and triton's versions, then on a second
     line those of the libraries tigon integrates with (or "not installed")."""
@@ -76,8 +68,9 @@ def version_line() -> str:
     import triton
 
     import tigon
+    from tigon._versions import installed_version
 
-    integrations = ", ".join(f"{name} {_installed_version(name)}" for name in INTEGRATIONS)
+    integrations = ", ".join(f"{name} {installed_version(name) or 'not installed'}" for name in INTEGRATIONS)
     return (
         f"tigon {tigon.__version__} from {Path(tigon.__file__).parent} "
         f"(python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__})\n"

@@ -308,9 +308,8 @@ def rotary_class(original: type, module, replacements: tuple[tuple[str, Callable
                 copy = _rebound(value, vars(module), scope, names) if owner.__module__ == module.__name__ else None
                 if copy is not None:
                     methods[name] = copy
-        _ROTARY_CLASSES[key] = methods and type(
-            f"Tigon{original.__name__}", (original,), {**methods, "tigon_replaces": original, "__module__": __name__}
-        ) or None
+        attributes = {**methods, "tigon_replaces": original, "__module__": __name__}
+        _ROTARY_CLASSES[key] = type(f"Tigon{original.__name__}", (original,), attributes) if methods else None
     return _ROTARY_CLASSES[key]
 
 
